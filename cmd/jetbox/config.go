@@ -1,0 +1,226 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"net/url"
+	"regexp"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jetbox-dev/jetbox/decoder"
+	"github.com/jetbox-dev/jetbox/replication"
+	"github.com/jetbox-dev/jetbox/sink"
+	"github.com/rs/zerolog"
+)
+
+// RunFlags are the flags of `jetbox run`. Every flag has a JETBOX_* variable.
+// Values are taken as strings and validated together by Config, so one run
+// reports every mistake at once.
+type RunFlags struct {
+	PostgresURL   string `name:"postgres-url" env:"JETBOX_POSTGRES_URL" help:"Postgres libpq URL or DSN (PG* variables and sslmode work). Required." placeholder:"URL"`
+	NatsURL       string `name:"nats-url" env:"JETBOX_NATS_URL" default:"nats://127.0.0.1:4222" help:"NATS server URL(s), comma-separated."`
+	NatsCreds     string `name:"nats-creds" env:"JETBOX_NATS_CREDS" help:"NATS credentials file (JWT + nkey)." placeholder:"FILE"`
+	Table         string `name:"table" env:"JETBOX_TABLE" default:"public.outbox" help:"Outbox table, schema.name."`
+	Slot          string `name:"slot" env:"JETBOX_SLOT" default:"jetbox" help:"Logical replication slot (created if missing)."`
+	Publication   string `name:"publication" env:"JETBOX_PUBLICATION" default:"jetbox" help:"Publication (created if missing)."`
+	Stream        string `name:"stream" env:"JETBOX_STREAM" default:"OUTBOX" help:"JetStream stream (created if missing)."`
+	SubjectPrefix string `name:"subject-prefix" env:"JETBOX_SUBJECT_PREFIX" default:"outbox" help:"Subjects are <prefix>.<aggregate_type>.<event_type>."`
+	HTTPAddr      string `name:"http-addr" env:"JETBOX_HTTP_ADDR" default:"" help:"Address for /metrics, /healthz, /readyz (reserved: not served yet)."`
+
+	IDColumn            string `name:"id-column" env:"JETBOX_ID_COLUMN" default:"id" help:"Row id column (uuid or text): Nats-Msg-Id."`
+	AggregateTypeColumn string `name:"aggregate-type-column" env:"JETBOX_AGGREGATE_TYPE_COLUMN" default:"aggregate_type" help:"Aggregate type column (text)."`
+	AggregateIDColumn   string `name:"aggregate-id-column" env:"JETBOX_AGGREGATE_ID_COLUMN" default:"aggregate_id" help:"Aggregate id column (text)."`
+	EventTypeColumn     string `name:"event-type-column" env:"JETBOX_EVENT_TYPE_COLUMN" default:"event_type" help:"Event type column (text)."`
+	PayloadColumn       string `name:"payload-column" env:"JETBOX_PAYLOAD_COLUMN" default:"payload" help:"Payload column (jsonb, json, text or bytea)."`
+	HeadersColumn       string `name:"headers-column" env:"JETBOX_HEADERS_COLUMN" default:"headers" help:"Headers column (jsonb object of strings); empty to ignore."`
+
+	DuplicateWindow  string `name:"duplicate-window" env:"JETBOX_DUPLICATE_WINDOW" default:"2m" help:"Duplicate window of a stream jetbox creates."`
+	MaxInFlight      string `name:"max-in-flight" env:"JETBOX_MAX_IN_FLIGHT" default:"1024" help:"Events published and not yet acked."`
+	MaxInFlightBytes string `name:"max-in-flight-bytes" env:"JETBOX_MAX_IN_FLIGHT_BYTES" default:"16MiB" help:"Payload bytes published and not yet acked."`
+	PublishTimeout   string `name:"publish-timeout" env:"JETBOX_PUBLISH_TIMEOUT" default:"30s" help:"Wait for one PubAck before the outcome counts as unknown."`
+	OrderGuard       string `name:"order-guard" env:"JETBOX_ORDER_GUARD" default:"true" help:"Send Nats-Expected-Last-Msg-Id so the stream never holds a gap or reordering (needs jetbox to be the stream's only writer)."`
+	StatusInterval   string `name:"status-interval" env:"JETBOX_STATUS_INTERVAL" default:"1s" help:"Standby status update period."`
+	PostgresTimeout  string `name:"postgres-timeout" env:"JETBOX_POSTGRES_TIMEOUT" default:"30s" help:"Reconnect when Postgres sends nothing for this long."`
+	ShutdownTimeout  string `name:"shutdown-timeout" env:"JETBOX_SHUTDOWN_TIMEOUT" default:"10s" help:"On stop, wait this long for in-flight acks."`
+	LogLevel         string `name:"log-level" env:"JETBOX_LOG_LEVEL" default:"info" help:"debug, info, warn or error."`
+	LogFormat        string `name:"log-format" env:"JETBOX_LOG_FORMAT" default:"json" help:"json or console."`
+}
+
+// Config is the validated configuration of `jetbox run`.
+type Config struct {
+	PostgresURL string
+	NatsURL     string
+	NatsCreds   string
+	HTTPAddr    string
+	Replication replication.Config
+	Sink        sink.Config
+	LogLevel    zerolog.Level
+	LogConsole  bool
+}
+
+// ConfigError is one invalid setting, with how to fix it.
+type ConfigError struct {
+	Flag, Env, Value string
+	Problem          string
+	Fix              string
+}
+
+func (e *ConfigError) Error() string {
+	s := fmt.Sprintf("--%s (%s)", e.Flag, e.Env)
+	if e.Value != "" {
+		s += fmt.Sprintf(" = %q", e.Value)
+	}
+	return s + ": " + e.Problem + "; fix: " + e.Fix
+}
+
+var (
+	slotName   = regexp.MustCompile(`^[a-z0-9_]{1,63}$`)
+	streamName = regexp.MustCompile(`^[^\s.*>/\\]{1,255}$`)
+	identName  = regexp.MustCompile(`^.{1,63}$`)
+)
+
+// Config validates the flags and returns every problem at once, joined.
+func (f *RunFlags) Config() (Config, error) {
+	var errs []error
+	bad := func(flag, value, problem, fix string) {
+		errs = append(errs, &ConfigError{Flag: flag, Env: envName(flag), Value: value, Problem: problem, Fix: fix})
+	}
+	dur := func(flag, v string, min, max time.Duration) time.Duration {
+		d, err := time.ParseDuration(v)
+		if err != nil {
+			bad(flag, v, "not a duration", "use a Go duration such as 500ms, 30s or 2m")
+			return 0
+		}
+		if d < min || (max > 0 && d > max) {
+			bad(flag, v, "out of range", fmt.Sprintf("use a value between %s and %s", min, max))
+		}
+		return d
+	}
+	c := Config{PostgresURL: f.PostgresURL, NatsURL: f.NatsURL, NatsCreds: f.NatsCreds, HTTPAddr: f.HTTPAddr}
+
+	if f.PostgresURL == "" {
+		bad("postgres-url", "", "required", "set JETBOX_POSTGRES_URL, e.g. postgres://jetbox:secret@127.0.0.1:5432/app?sslmode=disable")
+	} else if _, err := pgconn.ParseConfig(f.PostgresURL); err != nil {
+		bad("postgres-url", "", "cannot be parsed: "+redact(err.Error()), "use a libpq URL (postgres://user:pass@host:5432/db) or a key=value DSN")
+	}
+	for _, u := range strings.Split(f.NatsURL, ",") {
+		u = strings.TrimSpace(u)
+		pu, err := url.Parse(u)
+		if err != nil || pu.Host == "" || !map[string]bool{"nats": true, "tls": true, "ws": true, "wss": true}[pu.Scheme] {
+			bad("nats-url", u, "not a NATS URL", "use nats://host:4222 (or tls://, ws://, wss://); separate several with commas")
+		}
+	}
+
+	schema, table, ok := strings.Cut(f.Table, ".")
+	if !ok {
+		schema, table = "public", f.Table
+	}
+	if schema == "" || table == "" || strings.Contains(table, ".") || !identName.MatchString(schema) || !identName.MatchString(table) {
+		bad("table", f.Table, "not a table name", "use schema.table as stored in the catalog, e.g. public.outbox")
+	}
+	if !slotName.MatchString(f.Slot) {
+		bad("slot", f.Slot, "not a valid slot name", "use 1-63 lower-case letters, digits and underscores")
+	}
+	if !identName.MatchString(f.Publication) {
+		bad("publication", f.Publication, "not a valid publication name", "use 1-63 characters")
+	}
+	if !streamName.MatchString(f.Stream) {
+		bad("stream", f.Stream, "not a valid stream name", "use letters, digits, '-' or '_' (no spaces, '.', '*', '>', '/')")
+	}
+	if err := decoder.ValidPrefix(f.SubjectPrefix); err != nil {
+		bad("subject-prefix", f.SubjectPrefix, err.Error(), "use dot-separated tokens without spaces or wildcards, e.g. outbox or acme.outbox")
+	}
+	cols := decoder.Columns{ID: f.IDColumn, AggregateType: f.AggregateTypeColumn, AggregateID: f.AggregateIDColumn,
+		EventType: f.EventTypeColumn, Payload: f.PayloadColumn, Headers: f.HeadersColumn}
+	seen := map[string]string{}
+	for _, fc := range []struct{ flag, col string }{{"id-column", cols.ID}, {"aggregate-type-column", cols.AggregateType},
+		{"aggregate-id-column", cols.AggregateID}, {"event-type-column", cols.EventType},
+		{"payload-column", cols.Payload}, {"headers-column", cols.Headers}} {
+		switch other, dup := seen[fc.col]; {
+		case fc.col == "" && fc.flag != "headers-column":
+			bad(fc.flag, "", "empty", "name the column")
+		case fc.col != "" && dup:
+			bad(fc.flag, fc.col, "the same column as --"+other, "give each role its own column")
+		}
+		seen[fc.col] = fc.flag
+	}
+
+	dupWindow := dur("duplicate-window", f.DuplicateWindow, time.Second, 0)
+	publishTimeout := dur("publish-timeout", f.PublishTimeout, 100*time.Millisecond, 10*time.Minute)
+	statusInterval := dur("status-interval", f.StatusInterval, 10*time.Millisecond, 10*time.Second)
+	pgTimeout := dur("postgres-timeout", f.PostgresTimeout, time.Second, 10*time.Minute)
+	shutdownTimeout := dur("shutdown-timeout", f.ShutdownTimeout, 0, 10*time.Minute)
+	if statusInterval > 0 && pgTimeout > 0 && pgTimeout < 3*statusInterval {
+		bad("postgres-timeout", f.PostgresTimeout, "shorter than 3 status intervals", "raise --postgres-timeout or lower --status-interval")
+	}
+	maxInFlight, err := strconv.Atoi(f.MaxInFlight)
+	if err != nil || maxInFlight < 1 || maxInFlight > 100000 {
+		bad("max-in-flight", f.MaxInFlight, "not a count between 1 and 100000", "use e.g. 1024")
+	}
+	maxBytes, err := parseBytes(f.MaxInFlightBytes)
+	if err != nil || maxBytes < 1024 {
+		bad("max-in-flight-bytes", f.MaxInFlightBytes, "not a size of at least 1KiB", "use e.g. 16MiB")
+	}
+	orderGuard, err := strconv.ParseBool(f.OrderGuard)
+	if err != nil {
+		bad("order-guard", f.OrderGuard, "not a boolean", "use true or false")
+	}
+	level, err := zerolog.ParseLevel(f.LogLevel)
+	if err != nil || f.LogLevel == "" {
+		bad("log-level", f.LogLevel, "unknown level", "use debug, info, warn or error")
+	}
+	if f.LogFormat != "json" && f.LogFormat != "console" {
+		bad("log-format", f.LogFormat, "unknown format", "use json or console")
+	}
+	if len(errs) > 0 {
+		return Config{}, errors.Join(errs...)
+	}
+
+	c.Replication = replication.Config{
+		Slot: f.Slot, Publication: f.Publication,
+		Decoder:          decoder.Config{Schema: schema, Table: table, Columns: cols, SubjectPrefix: f.SubjectPrefix},
+		StatusInterval:   statusInterval,
+		Timeout:          pgTimeout,
+		MaxInFlight:      maxInFlight,
+		MaxInFlightBytes: maxBytes,
+		ShutdownTimeout:  shutdownTimeout,
+	}
+	c.Sink = sink.Config{Stream: f.Stream, SubjectPrefix: f.SubjectPrefix, DuplicateWindow: dupWindow,
+		PublishTimeout: publishTimeout, MaxPending: maxInFlight, OrderGuard: orderGuard}
+	c.LogLevel, c.LogConsole = level, f.LogFormat == "console"
+	return c, nil
+}
+
+func envName(flag string) string {
+	return "JETBOX_" + strings.ToUpper(strings.ReplaceAll(flag, "-", "_"))
+}
+
+// parseBytes reads sizes such as 1048576, 512KiB, 16MiB or 1GiB.
+func parseBytes(s string) (int, error) {
+	mult := 1
+	for _, u := range []struct {
+		suffix string
+		mult   int
+	}{{"KiB", 1 << 10}, {"MiB", 1 << 20}, {"GiB", 1 << 30}, {"B", 1}} {
+		if strings.HasSuffix(s, u.suffix) {
+			s, mult = strings.TrimSuffix(s, u.suffix), u.mult
+			break
+		}
+	}
+	n, err := strconv.Atoi(strings.TrimSpace(s))
+	if err != nil || n < 0 || n > (1<<40)/mult {
+		return 0, fmt.Errorf("invalid size %q", s)
+	}
+	return n * mult, nil
+}
+
+var passwordInURL = regexp.MustCompile(`(://[^:/@]*:)[^@]*@`)
+
+// redact hides passwords that parse errors may echo.
+func redact(s string) string {
+	s = passwordInURL.ReplaceAllString(s, "${1}xxxxx@")
+	return regexp.MustCompile(`password=\S+`).ReplaceAllString(s, "password=xxxxx")
+}

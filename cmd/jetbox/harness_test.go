@@ -1,0 +1,350 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
+	"github.com/jetbox-dev/jetbox/internal/testenv"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// jetboxBin is the binary under test, built once by TestMain.
+var jetboxBin string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "jetbox-bin-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	jetboxBin = filepath.Join(dir, "jetbox")
+	build := exec.Command("go", "build", "-o", jetboxBin, ".")
+	build.Stdout, build.Stderr = os.Stderr, os.Stderr
+	if err := build.Run(); err != nil {
+		fmt.Fprintln(os.Stderr, "build jetbox:", err)
+		os.Exit(1)
+	}
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+const outboxDDL = `CREATE TABLE public.outbox (
+  id             uuid        PRIMARY KEY DEFAULT gen_random_uuid(),
+  aggregate_type text        NOT NULL,
+  aggregate_id   text        NOT NULL,
+  event_type     text        NOT NULL,
+  payload        jsonb       NOT NULL,
+  headers        jsonb,
+  created_at     timestamptz NOT NULL DEFAULT now()
+)`
+
+// fixture is one Postgres, one NATS server and the outbox table.
+type fixture struct {
+	t      *testing.T
+	pg     *testenv.Postgres
+	nats   *testenv.NATS
+	js     jetstream.JetStream
+	pgURL  string // what jetbox dials (maybe through a proxy)
+	natURL string
+	env    []string
+}
+
+type fixtureOption func(*fixtureConfig)
+
+type fixtureConfig struct {
+	pg   []testenv.PGOption
+	nats []testenv.NATSOption
+	ddl  string
+}
+
+func withPG(o ...testenv.PGOption) fixtureOption {
+	return func(c *fixtureConfig) { c.pg = append(c.pg, o...) }
+}
+func withNATS(o ...testenv.NATSOption) fixtureOption {
+	return func(c *fixtureConfig) { c.nats = append(c.nats, o...) }
+}
+func withDDL(ddl string) fixtureOption { return func(c *fixtureConfig) { c.ddl = ddl } }
+
+func newFixture(t *testing.T, opts ...fixtureOption) *fixture {
+	t.Helper()
+	cfg := fixtureConfig{ddl: outboxDDL}
+	for _, o := range opts {
+		o(&cfg)
+	}
+	f := &fixture{t: t, pg: testenv.StartPostgres(t, cfg.pg...), nats: testenv.StartNATS(t, cfg.nats...)}
+	f.pgURL, f.natURL = f.pg.DSN, f.nats.URL
+	_, f.js = f.nats.Connect(t)
+	f.pg.Exec(t, cfg.ddl)
+	f.pg.Exec(t, `CREATE TABLE other (id bigserial PRIMARY KEY, note text)`)
+	// A long duplicate window: fault tests replay from Postgres' last
+	// checkpoint, which may be older than the 2-minute default.
+	f.env = []string{"JETBOX_DUPLICATE_WINDOW=30m", "JETBOX_LOG_LEVEL=debug", "JETBOX_SHUTDOWN_TIMEOUT=5s"}
+	return f
+}
+
+// proc is a jetbox subprocess.
+type proc struct {
+	t    *testing.T
+	cmd  *exec.Cmd
+	log  string
+	done chan struct{}
+	code int
+}
+
+// start runs jetbox against the fixture; extra env entries override.
+func (f *fixture) start(extra ...string) *proc {
+	f.t.Helper()
+	logf, err := os.CreateTemp(f.t.TempDir(), "jetbox-*.log")
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	cmd := exec.Command(jetboxBin, "run")
+	cmd.Env = append(append(append(os.Environ(), "JETBOX_POSTGRES_URL="+f.pgURL, "JETBOX_NATS_URL="+f.natURL), f.env...), extra...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	if err := cmd.Start(); err != nil {
+		f.t.Fatal(err)
+	}
+	p := &proc{t: f.t, cmd: cmd, log: logf.Name(), done: make(chan struct{}), code: -1}
+	go func() {
+		err := cmd.Wait()
+		logf.Close()
+		var ee *exec.ExitError
+		if errors.As(err, &ee) {
+			p.code = ee.ExitCode()
+		} else if err == nil {
+			p.code = 0
+		}
+		close(p.done)
+	}()
+	f.t.Cleanup(func() {
+		p.kill()
+		if f.t.Failed() {
+			f.t.Logf("jetbox log %s (last 6KiB):\n%s", p.log, p.tail(6144))
+		}
+	})
+	return p
+}
+
+func (p *proc) tail(n int) string {
+	b, _ := os.ReadFile(p.log)
+	if len(b) > n {
+		b = b[len(b)-n:]
+	}
+	return string(b)
+}
+
+func (p *proc) logText() string { b, _ := os.ReadFile(p.log); return string(b) }
+
+// kill sends SIGKILL and waits for the process to be gone.
+func (p *proc) kill() {
+	select {
+	case <-p.done:
+		return
+	default:
+	}
+	_ = p.cmd.Process.Signal(syscall.SIGKILL)
+	<-p.done
+}
+
+// stop sends SIGTERM and returns the exit code.
+func (p *proc) stop() int {
+	p.t.Helper()
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	return p.wait(60 * time.Second)
+}
+
+// wait returns the exit code once the process exits.
+func (p *proc) wait(timeout time.Duration) int {
+	p.t.Helper()
+	select {
+	case <-p.done:
+		return p.code
+	case <-time.After(timeout):
+		p.t.Fatalf("jetbox still running after %s", timeout)
+		return -1
+	}
+}
+
+// peakRSS returns the process's peak resident set (VmHWM) in bytes.
+func (p *proc) peakRSS() int64 {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", p.cmd.Process.Pid))
+	if err != nil {
+		return -1
+	}
+	sc := bufio.NewScanner(bytes.NewReader(b))
+	for sc.Scan() {
+		if rest, ok := strings.CutPrefix(sc.Text(), "VmHWM:"); ok {
+			kb, _ := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(rest), "kB")), 10, 64)
+			return kb * 1024
+		}
+	}
+	return -1
+}
+
+func (f *fixture) conn() *pgx.Conn { return f.pg.Conn(f.t) }
+
+func ctxT(t testing.TB, d time.Duration) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// insertTx inserts n outbox rows in one transaction and returns their ids in
+// insert order.
+func (f *fixture) insertTx(conn *pgx.Conn, aggregate string, n int) []string {
+	f.t.Helper()
+	ctx := ctxT(f.t, time.Minute)
+	rows, err := conn.Query(ctx, `INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+		SELECT 'order', $1, 'OrderCreated', jsonb_build_object('n', g, 'agg', $1::text)
+		FROM generate_series(1, $2) g RETURNING id::text`, aggregate, n)
+	if err != nil {
+		f.t.Fatalf("insert: %v", err)
+	}
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		f.t.Fatalf("insert: %v", err)
+	}
+	return ids
+}
+
+// slotState reads the jetbox slot's confirmed_flush_lsn and whether it is active.
+func (f *fixture) slotState() (pglogrepl.LSN, bool, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, f.pg.DSN)
+	if err != nil {
+		return 0, false, err
+	}
+	defer conn.Close(ctx)
+	var lsn string
+	var active bool
+	err = conn.QueryRow(ctx, "SELECT coalesce(confirmed_flush_lsn::text,'0/0'), active FROM pg_replication_slots WHERE slot_name = 'jetbox'").Scan(&lsn, &active)
+	if err != nil {
+		return 0, false, err
+	}
+	l, err := pglogrepl.ParseLSN(lsn)
+	return l, active, err
+}
+
+// waitStreaming waits until jetbox holds the slot.
+func (f *fixture) waitStreaming(p *proc) {
+	f.t.Helper()
+	testenv.WaitFor(f.t, 60*time.Second, func() error {
+		select {
+		case <-p.done:
+			f.t.Fatalf("jetbox exited with %d before streaming:\n%s", p.code, p.tail(4096))
+		default:
+		}
+		_, active, err := f.slotState()
+		if err != nil {
+			return err
+		}
+		if !active {
+			return errors.New("slot not active")
+		}
+		return nil
+	})
+}
+
+// waitCount waits until the stream holds n messages.
+func (f *fixture) waitCount(n int, timeout time.Duration) {
+	f.t.Helper()
+	testenv.WaitFor(f.t, timeout, func() error {
+		got, err := testenv.StreamCount(f.js, "OUTBOX")
+		if err != nil {
+			return err
+		}
+		if got > uint64(n) {
+			f.t.Fatalf("stream holds %d messages, want %d", got, n)
+		}
+		if got != uint64(n) {
+			return fmt.Errorf("stream holds %d of %d messages", got, n)
+		}
+		return nil
+	})
+}
+
+// assertStream checks the stream holds exactly want, once each, in this order.
+func (f *fixture) assertStream(want []string) []testenv.StreamMsg {
+	f.t.Helper()
+	got := testenv.ReadStream(f.t, f.js, "OUTBOX", false)
+	assertIDs(f.t, got, want)
+	return got
+}
+
+func assertIDs(t *testing.T, got []testenv.StreamMsg, want []string) {
+	t.Helper()
+	seen := make(map[string]int, len(got))
+	for i, m := range got {
+		if j, dup := seen[m.ID]; dup {
+			t.Fatalf("id %s stored twice: stream seq %d and %d", m.ID, got[j].Seq, m.Seq)
+		}
+		seen[m.ID] = i
+	}
+	for _, id := range want {
+		if _, ok := seen[id]; !ok {
+			t.Fatalf("id %s missing from the stream (%d stored, %d committed)", id, len(got), len(want))
+		}
+	}
+	if len(got) != len(want) {
+		t.Fatalf("stream holds %d messages, %d committed", len(got), len(want))
+	}
+	for i := range want {
+		if got[i].ID != want[i] {
+			t.Fatalf("order differs at %d: stream has %s (seq %d), commit order has %s", i, got[i].ID, got[i].Seq, want[i])
+		}
+	}
+}
+
+var oracleID = regexp.MustCompile(`^table public\.outbox: INSERT: id\[(?:uuid|text)\]:'([^']*)'`)
+
+// oracle is an independent view of commit order: a second slot decoded by
+// Postgres' own test_decoding plugin.
+type oracle struct {
+	f *fixture
+}
+
+func (f *fixture) newOracle() *oracle {
+	f.pg.Exec(f.t, "SELECT pg_create_logical_replication_slot('oracle', 'test_decoding')")
+	return &oracle{f: f}
+}
+
+// ids returns every committed outbox id since the oracle was created, in
+// commit order (and insert order inside a transaction).
+func (o *oracle) ids() []string {
+	o.f.t.Helper()
+	conn := o.f.conn()
+	rows, err := conn.Query(ctxT(o.f.t, 5*time.Minute), "SELECT data FROM pg_logical_slot_peek_changes('oracle', NULL, NULL)")
+	if err != nil {
+		o.f.t.Fatal(err)
+	}
+	var ids []string
+	for rows.Next() {
+		var line string
+		if err := rows.Scan(&line); err != nil {
+			o.f.t.Fatal(err)
+		}
+		if m := oracleID.FindStringSubmatch(line); m != nil {
+			ids = append(ids, m[1])
+		}
+	}
+	if err := rows.Err(); err != nil {
+		o.f.t.Fatal(err)
+	}
+	return ids
+}

@@ -1,0 +1,118 @@
+// Command jetbox forwards a PostgreSQL transactional outbox to NATS JetStream.
+//
+//	jetbox run       stream outbox inserts from the WAL to JetStream
+//	jetbox version   print version information
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"runtime"
+	"syscall"
+
+	"github.com/alecthomas/kong"
+)
+
+// Exit codes.
+const (
+	exitOK      = 0
+	exitFailure = 1 // a runtime error jetbox cannot recover from (see the log)
+	exitConfig  = 2 // bad flags, bad configuration or a set-up problem to fix
+)
+
+// Set at build time: -ldflags "-X main.version=... -X main.commit=...".
+var (
+	version = "dev"
+	commit  = "none"
+)
+
+type cli struct {
+	Run     RunFlags   `cmd:"" help:"Forward outbox inserts from the WAL to JetStream."`
+	Version versionCmd `cmd:"" help:"Print version, commit and Go version."`
+}
+
+type versionCmd struct{}
+
+func main() {
+	os.Exit(realMain(os.Args[1:], os.Stdout, os.Stderr))
+}
+
+func realMain(args []string, stdout, stderr io.Writer) int {
+	var c cli
+	exitCode := -1
+	parser, err := kong.New(&c,
+		kong.Name("jetbox"),
+		kong.Description("Forward a PostgreSQL transactional outbox to NATS JetStream: every committed row once, in commit order."),
+		kong.Writers(stdout, stderr),
+		kong.Exit(func(code int) { exitCode = code }),
+	)
+	if err != nil {
+		fmt.Fprintln(stderr, "jetbox:", err)
+		return exitFailure
+	}
+	kctx, err := parser.Parse(args)
+	if exitCode >= 0 { // --help
+		return exitCode
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "jetbox: %v\nRun 'jetbox --help' for the flags.\n", err)
+		return exitConfig
+	}
+	switch kctx.Command() {
+	case "version":
+		fmt.Fprintf(stdout, "jetbox %s (commit %s, %s)\n", version, commit, runtime.Version())
+		return exitOK
+	case "run":
+		cfg, err := c.Run.Config()
+		if err != nil {
+			printProblems(stderr, "configuration", err)
+			return exitConfig
+		}
+		ctx, stop := signalContext()
+		defer stop()
+		return run(ctx, cfg, stdout, stderr)
+	}
+	fmt.Fprintln(stderr, "jetbox: unknown command", kctx.Command())
+	return exitConfig
+}
+
+// printProblems prints each joined error on its own line.
+func printProblems(w io.Writer, what string, err error) {
+	var list []error
+	if j, ok := err.(interface{ Unwrap() []error }); ok {
+		list = j.Unwrap()
+	} else {
+		list = []error{err}
+	}
+	fmt.Fprintf(w, "jetbox: %d %s problem(s):\n", len(list), what)
+	for _, e := range list {
+		fmt.Fprintf(w, "  - %v\n", e)
+	}
+}
+
+// signalContext is cancelled by the first SIGINT or SIGTERM; a second one
+// exits at once without waiting for in-flight acks.
+func signalContext() (context.Context, context.CancelFunc) {
+	ctx, cancel := context.WithCancel(context.Background())
+	ch := make(chan os.Signal, 2)
+	done := make(chan struct{})
+	signal.Notify(ch, syscall.SIGINT, syscall.SIGTERM)
+	go func() {
+		select {
+		case <-ch:
+			cancel()
+		case <-done:
+			return
+		}
+		select {
+		case <-ch:
+			fmt.Fprintln(os.Stderr, "jetbox: second signal, exiting without waiting for in-flight acks")
+			os.Exit(exitFailure)
+		case <-done:
+		}
+	}()
+	return ctx, func() { signal.Stop(ch); close(done); cancel() }
+}

@@ -1,0 +1,246 @@
+// Package decoder turns pgoutput (protocol version 1) messages into outbox
+// events. It is pure: no I/O, no goroutines, one Decoder per replication
+// session (it owns the relation cache, which pgoutput resends on every new
+// session and after every DDL).
+//
+// With pgoutput streaming off, a transaction is sent only after it committed,
+// so each insert becomes an Event the moment it arrives; nothing is buffered
+// per transaction. Malformed input returns an error and never panics.
+package decoder
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+)
+
+// Postgres type OIDs the decoder accepts for outbox columns.
+const (
+	oidBytea   = 17
+	oidName    = 19
+	oidText    = 25
+	oidJSON    = 114
+	oidBpchar  = 1042
+	oidVarchar = 1043
+	oidUUID    = 2950
+	oidJSONB   = 3802
+)
+
+// Columns names the outbox columns the decoder reads.
+type Columns struct {
+	ID            string // uuid or text; becomes Nats-Msg-Id
+	AggregateType string // text; second subject token
+	AggregateID   string // text
+	EventType     string // text; third subject token
+	Payload       string // jsonb, json, text or bytea; the message data
+	Headers       string // optional jsonb/json object of string values; "" disables
+}
+
+// DefaultColumns is the column set of the outbox DDL in the README.
+var DefaultColumns = Columns{
+	ID: "id", AggregateType: "aggregate_type", AggregateID: "aggregate_id",
+	EventType: "event_type", Payload: "payload", Headers: "headers",
+}
+
+// Config says which table is the outbox and how its rows become events.
+type Config struct {
+	Schema        string // e.g. "public"
+	Table         string // e.g. "outbox"
+	Columns       Columns
+	SubjectPrefix string // e.g. "outbox"
+}
+
+// Kind says what a decoded message means to the forwarder.
+type Kind int
+
+// The kinds of Message.
+const (
+	KindNone   Kind = iota // nothing to do (relation, type, other tables, updates...)
+	KindBegin              // a transaction starts
+	KindEvent              // an outbox insert: Message.Event is set
+	KindCommit             // a transaction ended: Message.EndLSN is set
+)
+
+// Message is the result of decoding one pgoutput message.
+type Message struct {
+	Kind  Kind
+	Event Event
+	// EndLSN is the transaction's end LSN (Commit.TransactionEndLSN): the
+	// position to confirm once every event of the transaction is acked.
+	EndLSN pglogrepl.LSN
+}
+
+// Event is one outbox row ready to publish.
+type Event struct {
+	ID            string
+	Subject       string
+	AggregateType string
+	AggregateID   string
+	EventType     string
+	Payload       []byte
+	Headers       []Header // string values of the row's headers object, in key order
+	CommitLSN     pglogrepl.LSN
+	CommitTime    time.Time
+	TxIndex       int // position of the row in its transaction, from 0
+	XID           uint32
+}
+
+// Header is one user header copied from the row's headers column.
+type Header struct{ Key, Value string }
+
+// Decoder decodes pgoutput messages of one replication session.
+type Decoder struct {
+	cfg       Config
+	relations map[uint32]*relation
+
+	inTxn      bool
+	commitLSN  pglogrepl.LSN
+	commitTime time.Time
+	xid        uint32
+	index      int
+}
+
+// New returns a decoder for cfg. Call Validate on cfg first.
+func New(cfg Config) *Decoder {
+	return &Decoder{cfg: cfg, relations: make(map[uint32]*relation)}
+}
+
+// InTransaction reports whether a Begin was decoded without its Commit.
+func (d *Decoder) InTransaction() bool { return d.inTxn }
+
+// ErrProtocol marks pgoutput input the decoder cannot make sense of.
+var ErrProtocol = errors.New("pgoutput protocol error")
+
+// Decode decodes one pgoutput message (the WALData of an XLogData). The
+// returned Event owns its memory: data may be reused after Decode returns.
+//
+// Errors: *InvalidEventError for an outbox row that cannot be published
+// (it names the row and the fix); an error wrapping ErrProtocol for malformed
+// or unexpected input.
+func (d *Decoder) Decode(data []byte) (msg Message, err error) {
+	if len(data) == 0 {
+		return Message{}, fmt.Errorf("%w: empty message", ErrProtocol)
+	}
+	defer func() {
+		// pglogrepl's decoders index without bounds checks; a short or corrupt
+		// message must become an error, never a crash.
+		if r := recover(); r != nil {
+			msg, err = Message{}, fmt.Errorf("%w: malformed %q message: %v", ErrProtocol, data[0], r)
+		}
+	}()
+	switch pglogrepl.MessageType(data[0]) {
+	case pglogrepl.MessageTypeBegin:
+		var m pglogrepl.BeginMessage
+		if err := m.Decode(data[1:]); err != nil {
+			return Message{}, fmt.Errorf("%w: %v", ErrProtocol, err)
+		}
+		if d.inTxn {
+			return Message{}, fmt.Errorf("%w: BEGIN %s inside open transaction %s", ErrProtocol, m.FinalLSN, d.commitLSN)
+		}
+		d.inTxn, d.commitLSN, d.commitTime, d.xid, d.index = true, m.FinalLSN, m.CommitTime.UTC(), m.Xid, 0
+		return Message{Kind: KindBegin}, nil
+	case pglogrepl.MessageTypeCommit:
+		var m pglogrepl.CommitMessage
+		if err := m.Decode(data[1:]); err != nil {
+			return Message{}, fmt.Errorf("%w: %v", ErrProtocol, err)
+		}
+		if !d.inTxn {
+			return Message{}, fmt.Errorf("%w: COMMIT %s without BEGIN", ErrProtocol, m.CommitLSN)
+		}
+		d.inTxn = false
+		return Message{Kind: KindCommit, EndLSN: m.TransactionEndLSN}, nil
+	case pglogrepl.MessageTypeRelation:
+		var m pglogrepl.RelationMessage
+		if err := m.Decode(data[1:]); err != nil {
+			return Message{}, fmt.Errorf("%w: %v", ErrProtocol, err)
+		}
+		d.relations[m.RelationID] = d.newRelation(&m)
+		return Message{}, nil
+	case pglogrepl.MessageTypeInsert:
+		return d.decodeInsert(data[1:])
+	case pglogrepl.MessageTypeUpdate, pglogrepl.MessageTypeDelete, pglogrepl.MessageTypeTruncate,
+		pglogrepl.MessageTypeType, pglogrepl.MessageTypeOrigin, pglogrepl.MessageTypeMessage:
+		return Message{}, nil // outbox updates and deletes publish nothing
+	default:
+		return Message{}, fmt.Errorf("%w: unsupported message type %q (is streaming or two_phase on? jetbox needs both off)", ErrProtocol, data[0])
+	}
+}
+
+func (d *Decoder) decodeInsert(src []byte) (Message, error) {
+	if len(src) < 7 {
+		return Message{}, fmt.Errorf("%w: insert message of %d bytes", ErrProtocol, len(src))
+	}
+	relID := binary.BigEndian.Uint32(src)
+	if src[4] != 'N' {
+		return Message{}, fmt.Errorf("%w: insert tuple type %q, want 'N'", ErrProtocol, src[4])
+	}
+	rel, ok := d.relations[relID]
+	if !ok {
+		return Message{}, fmt.Errorf("%w: insert for relation %d before its Relation message", ErrProtocol, relID)
+	}
+	if !d.inTxn {
+		return Message{}, fmt.Errorf("%w: insert outside a transaction", ErrProtocol)
+	}
+	if !rel.outbox {
+		return Message{}, nil
+	}
+	index := d.index
+	d.index++
+	cols, err := splitTuple(src[5:], rel.ncols)
+	if err != nil {
+		return Message{}, err
+	}
+	ev := Event{CommitLSN: d.commitLSN, CommitTime: d.commitTime, TxIndex: index, XID: d.xid}
+	if err := rel.fill(&ev, cols, d.cfg.SubjectPrefix); err != nil {
+		err.LSN, err.TxIndex = d.commitLSN, index
+		return Message{}, err
+	}
+	return Message{Kind: KindEvent, Event: ev}, nil
+}
+
+// column is one tuple column; data aliases the message buffer.
+type column struct {
+	kind byte // 'n' null, 'u' unchanged toast, 't' text, 'b' binary
+	data []byte
+}
+
+// splitTuple parses TupleData with bounds checks, without copying.
+func splitTuple(src []byte, want int) ([]column, error) {
+	if len(src) < 2 {
+		return nil, fmt.Errorf("%w: tuple too short", ErrProtocol)
+	}
+	n := int(binary.BigEndian.Uint16(src))
+	if n != want {
+		return nil, fmt.Errorf("%w: tuple has %d columns, relation has %d", ErrProtocol, n, want)
+	}
+	cols := make([]column, n)
+	p := 2
+	for i := 0; i < n; i++ {
+		if p >= len(src) {
+			return nil, fmt.Errorf("%w: tuple truncated at column %d", ErrProtocol, i)
+		}
+		kind := src[p]
+		p++
+		cols[i].kind = kind
+		switch kind {
+		case 'n', 'u':
+		case 't', 'b':
+			if len(src)-p < 4 {
+				return nil, fmt.Errorf("%w: tuple truncated at column %d length", ErrProtocol, i)
+			}
+			l := int(binary.BigEndian.Uint32(src[p:]))
+			p += 4
+			if l < 0 || l > len(src)-p {
+				return nil, fmt.Errorf("%w: column %d length %d exceeds message", ErrProtocol, i, l)
+			}
+			cols[i].data = src[p : p+l]
+			p += l
+		default:
+			return nil, fmt.Errorf("%w: column %d has unknown kind %q", ErrProtocol, i, kind)
+		}
+	}
+	return cols, nil
+}

@@ -1,0 +1,118 @@
+package decoder
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"sort"
+	"strings"
+	"unicode/utf8"
+)
+
+// Subject returns "<prefix>.<aggregateType>.<eventType>", or an error when a
+// part is not a valid NATS subject token. The prefix may hold several tokens.
+func Subject(prefix, aggregateType, eventType string) (string, error) {
+	if err := ValidPrefix(prefix); err != nil {
+		return "", err
+	}
+	if err := validToken(aggregateType); err != nil {
+		return "", fmt.Errorf("aggregate_type %q: %w", aggregateType, err)
+	}
+	if err := validToken(eventType); err != nil {
+		return "", fmt.Errorf("event_type %q: %w", eventType, err)
+	}
+	return prefix + "." + aggregateType + "." + eventType, nil
+}
+
+// ValidPrefix checks a subject prefix: one or more dot-separated tokens.
+func ValidPrefix(prefix string) error {
+	if prefix == "" {
+		return fmt.Errorf("subject prefix is empty")
+	}
+	for _, tok := range strings.Split(prefix, ".") {
+		if err := validToken(tok); err != nil {
+			return fmt.Errorf("subject prefix %q: %w", prefix, err)
+		}
+	}
+	return nil
+}
+
+func validToken(tok string) error {
+	if tok == "" {
+		return fmt.Errorf("empty subject token")
+	}
+	if !utf8.ValidString(tok) {
+		return fmt.Errorf("not valid UTF-8")
+	}
+	for _, r := range tok {
+		switch {
+		case r == '.' || r == '*' || r == '>':
+			return fmt.Errorf("holds %q, which NATS subjects reserve", r)
+		case r <= ' ' || r == 0x7f:
+			return fmt.Errorf("holds whitespace or a control character")
+		}
+	}
+	return nil
+}
+
+// reservedHeader reports header names a row may not set: NATS and JetStream
+// interpret Nats-* headers, and Jetbox-* headers are jetbox's own.
+func reservedHeader(k string) bool {
+	l := strings.ToLower(k)
+	return strings.HasPrefix(l, "nats-") || strings.HasPrefix(l, "jetbox-")
+}
+
+// parseHeaders reads the headers column: a JSON object whose string values are
+// copied as message headers (sorted by key, for a stable order). Non-string
+// values are ignored; null or {} gives none.
+func parseHeaders(src []byte) ([]Header, error) {
+	src = bytes.TrimSpace(src)
+	if len(src) == 0 || string(src) == "null" {
+		return nil, nil
+	}
+	if src[0] != '{' {
+		return nil, fmt.Errorf("headers is not a JSON object")
+	}
+	var obj map[string]json.RawMessage
+	if err := json.Unmarshal(src, &obj); err != nil {
+		return nil, fmt.Errorf("headers is not valid JSON: %v", err)
+	}
+	if len(obj) == 0 {
+		return nil, nil
+	}
+	out := make([]Header, 0, len(obj))
+	for k, raw := range obj {
+		if len(raw) == 0 || raw[0] != '"' {
+			continue // only string values become headers
+		}
+		var v string
+		if err := json.Unmarshal(raw, &v); err != nil {
+			return nil, fmt.Errorf("header %q: %v", k, err)
+		}
+		if err := validHeaderName(k); err != nil {
+			return nil, err
+		}
+		if reservedHeader(k) {
+			return nil, fmt.Errorf("header %q is reserved (Nats-* and Jetbox-* are set by jetbox and JetStream)", k)
+		}
+		if !printable(v) {
+			return nil, fmt.Errorf("header %q value holds control characters (CR, LF...)", k)
+		}
+		out = append(out, Header{Key: k, Value: v})
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Key < out[j].Key })
+	return out, nil
+}
+
+func validHeaderName(k string) error {
+	if k == "" {
+		return fmt.Errorf("header name is empty")
+	}
+	for i := 0; i < len(k); i++ {
+		c := k[i]
+		if c <= ' ' || c >= 0x7f || c == ':' {
+			return fmt.Errorf("header name %q must be printable ASCII without spaces or ':'", k)
+		}
+	}
+	return nil
+}

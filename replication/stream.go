@@ -1,0 +1,425 @@
+// Package replication owns the walsender connection: it starts logical
+// replication on the slot, feeds pgoutput messages to the decoder, hands each
+// event to the sink, and sends standby status updates whose flush position is
+// the checkpoint tracker's safe LSN and nothing else.
+//
+// One goroutine does all I/O on the replication connection (pgconn is not safe
+// for concurrent use). Status updates go out on a timer, at once when the
+// server asks, and while the loop waits on a full publish window, so
+// wal_sender_timeout never fires because JetStream is slow or down.
+package replication
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/cenkalti/backoff/v5"
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgproto3"
+	"github.com/jetbox-dev/jetbox/checkpoint"
+	"github.com/jetbox-dev/jetbox/decoder"
+	"github.com/rs/zerolog"
+)
+
+// Config configures replication.
+type Config struct {
+	Slot        string
+	Publication string
+	Decoder     decoder.Config
+
+	StatusInterval   time.Duration // how often to send standby status (≤ wal_sender_timeout/3)
+	Timeout          time.Duration // no message from Postgres for this long while reading: reconnect
+	MaxInFlight      int           // events published but not yet acked
+	MaxInFlightBytes int           // payload bytes published but not yet acked (0: no bound)
+	ShutdownTimeout  time.Duration // how long a stop waits for in-flight acks
+	MaxBackoff       time.Duration // longest wait between reconnects
+}
+
+func (c Config) qualifiedTable() string { return c.Decoder.Schema + "." + c.Decoder.Table }
+func (c Config) quotedTable() string {
+	return pgx.Identifier{c.Decoder.Schema, c.Decoder.Table}.Sanitize()
+}
+
+// Sink is where events go: one Session per replication session.
+type Sink interface {
+	Open() Session
+}
+
+// Session publishes the events of one replication session.
+type Session interface {
+	// Publish sends ev. done is called exactly once, with nil once JetStream
+	// stored it, unless Close gave up waiting. A returned error means ev was
+	// not sent and done will not be called.
+	Publish(ev *decoder.Event, done func(error)) error
+	// Close waits (bounded by ctx) until every done was called.
+	Close(ctx context.Context) error
+}
+
+// Streamer runs replication sessions, reconnecting with backoff.
+type Streamer struct {
+	cfg     Config
+	connCfg *pgconn.Config
+	sink    Sink
+	log     zerolog.Logger
+	sent    atomic.Uint64 // last LSN confirmed to Postgres
+}
+
+// New returns a streamer for the database at connString.
+func New(connString string, cfg Config, sink Sink, log zerolog.Logger) (*Streamer, error) {
+	cc, err := pgconn.ParseConfig(connString)
+	if err != nil {
+		return nil, fmt.Errorf("parse postgres URL: %w", err)
+	}
+	cc.RuntimeParams["replication"] = "database"
+	cc.RuntimeParams["application_name"] = "jetbox"
+	// Text output depends on the walsender session's settings: pin them.
+	for k, v := range map[string]string{"DateStyle": "ISO", "IntervalStyle": "postgres", "TimeZone": "UTC",
+		"bytea_output": "hex", "extra_float_digits": "3", "client_encoding": "UTF8"} {
+		cc.RuntimeParams[k] = v
+	}
+	if cfg.StatusInterval <= 0 {
+		cfg.StatusInterval = time.Second
+	}
+	if cfg.Timeout <= 0 {
+		cfg.Timeout = 30 * time.Second
+	}
+	if cfg.ShutdownTimeout <= 0 {
+		cfg.ShutdownTimeout = 10 * time.Second
+	}
+	if cfg.MaxBackoff <= 0 {
+		cfg.MaxBackoff = 30 * time.Second
+	}
+	return &Streamer{cfg: cfg, connCfg: cc, sink: sink, log: log.With().Str("component", "replication").Str("slot", cfg.Slot).Logger()}, nil
+}
+
+// Run streams until ctx is cancelled (returns nil) or a permanent error
+// occurs (returned). Transient errors reconnect with jittered backoff.
+func (s *Streamer) Run(ctx context.Context) error {
+	bo := backoff.NewExponentialBackOff()
+	bo.InitialInterval = 200 * time.Millisecond
+	bo.MaxInterval = s.cfg.MaxBackoff
+	for attempt := 1; ; attempt++ {
+		started := time.Now()
+		err := s.session(ctx)
+		if ctx.Err() != nil {
+			return nil
+		}
+		if err == nil {
+			err = errors.New("replication session ended")
+		}
+		if IsPermanent(err) {
+			return err
+		}
+		if time.Since(started) > time.Minute {
+			bo.Reset()
+		}
+		wait := bo.NextBackOff()
+		ev := s.log.Warn()
+		if isSlotInUse(err) {
+			ev = s.log.Info() // another instance holds the slot: wait as a standby
+		}
+		ev.Err(err).Int("attempt", attempt).Dur("backoff", wait).Msg("replication session ended, reconnecting")
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(wait):
+		}
+	}
+}
+
+// ConfirmedLSN returns the last LSN confirmed to Postgres.
+func (s *Streamer) ConfirmedLSN() pglogrepl.LSN { return pglogrepl.LSN(s.sent.Load()) }
+
+// PermanentError is an error retrying cannot fix; jetbox stops on it.
+type PermanentError struct{ Err error }
+
+func (e *PermanentError) Error() string { return e.Err.Error() }
+func (e *PermanentError) Unwrap() error { return e.Err }
+
+// Permanent causes from other packages implement this.
+type permanent interface{ Permanent() bool }
+
+// IsPermanent reports whether err should stop jetbox rather than reconnect.
+func IsPermanent(err error) bool {
+	var pe *PermanentError
+	var ie *decoder.InvalidEventError
+	if errors.As(err, &pe) || errors.As(err, &ie) || errors.Is(err, decoder.ErrProtocol) {
+		return true
+	}
+	var p permanent
+	if errors.As(err, &p) && p.Permanent() {
+		return true
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		switch pgErr.Code {
+		case "42704", // slot or publication does not exist
+			"28000", "28P01", // authentication
+			"42501", // insufficient privilege
+			"3D000": // database does not exist
+			return true
+		case "55000": // object not in prerequisite state: slot invalidated
+			return strings.Contains(pgErr.Message, "can no longer get changes")
+		}
+	}
+	return false
+}
+
+func isSlotInUse(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "55006"
+}
+
+// session is one replication connection from START_REPLICATION to its end.
+func (s *Streamer) session(ctx context.Context) (err error) {
+	conn, err := pgconn.ConnectConfig(ctx, s.connCfg)
+	if err != nil {
+		return fmt.Errorf("connect for replication: %w", err)
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+
+	start, err := slotPosition(ctx, conn, s.cfg.Slot)
+	if err != nil {
+		return err
+	}
+	args := []string{"proto_version '1'", "publication_names " + quoteLiteral(quoteIdent(s.cfg.Publication))}
+	// Start at 0/0: the server resumes from the slot's confirmed_flush_lsn.
+	if err := pglogrepl.StartReplication(ctx, conn, quoteIdent(s.cfg.Slot), 0,
+		pglogrepl.StartReplicationOptions{Mode: pglogrepl.LogicalReplication, PluginArgs: args}); err != nil {
+		return fmt.Errorf("start replication on slot %q: %w", s.cfg.Slot, err)
+	}
+	log := s.log.With().Str("publication", s.cfg.Publication).Logger()
+	log.Info().Str("confirmed_lsn", start.String()).Msg("streaming")
+
+	l := &loop{
+		s:       s,
+		conn:    conn,
+		log:     log,
+		tracker: checkpoint.New(start, s.cfg.MaxInFlight, s.cfg.MaxInFlightBytes),
+		dec:     decoder.New(s.cfg.Decoder),
+		sess:    s.sink.Open(),
+	}
+	s.sent.Store(uint64(start))
+	err = l.run(ctx)
+	return l.finish(ctx, err)
+}
+
+// slotPosition reads the slot's confirmed_flush_lsn over the replication
+// connection (walsenders in database mode accept simple SQL).
+func slotPosition(ctx context.Context, conn *pgconn.PgConn, slot string) (pglogrepl.LSN, error) {
+	res, err := conn.Exec(ctx, "SELECT coalesce(confirmed_flush_lsn::text, '0/0') FROM pg_replication_slots WHERE slot_name = "+quoteLiteral(slot)).ReadAll()
+	if err != nil {
+		return 0, fmt.Errorf("read slot %q: %w", slot, err)
+	}
+	if len(res) != 1 || len(res[0].Rows) == 0 {
+		return 0, &PermanentError{Err: fmt.Errorf("replication slot %q does not exist (dropped while jetbox ran?): rows committed since it was dropped cannot be streamed; re-publish them from the table, then restart jetbox, which creates a new slot", slot)}
+	}
+	lsn, err := pglogrepl.ParseLSN(string(res[0].Rows[0][0]))
+	if err != nil {
+		return 0, fmt.Errorf("parse confirmed_flush_lsn of slot %q: %w", slot, err)
+	}
+	return lsn, nil
+}
+
+func quoteIdent(s string) string   { return `"` + strings.ReplaceAll(s, `"`, `""`) + `"` }
+func quoteLiteral(s string) string { return `'` + strings.ReplaceAll(s, `'`, `''`) + `'` }
+
+// loop is the state of one session's receive loop. Only its goroutine touches conn.
+type loop struct {
+	s       *Streamer
+	conn    *pgconn.PgConn
+	log     zerolog.Logger
+	tracker *checkpoint.Tracker
+	dec     *decoder.Decoder
+	sess    Session
+
+	nextStatus time.Time
+	deadline   time.Time // read deadline currently set on the socket
+	lastRecv   time.Time
+	sent       pglogrepl.LSN
+}
+
+func (l *loop) run(ctx context.Context) error {
+	netConn := l.conn.Conn()
+	// Wake a blocked read when ctx ends.
+	stop := context.AfterFunc(ctx, func() { _ = netConn.SetReadDeadline(time.Now()) })
+	defer stop()
+	defer func() { _ = netConn.SetReadDeadline(time.Time{}) }()
+
+	l.lastRecv = time.Now()
+	if err := l.sendStatus(true); err != nil {
+		return err
+	}
+	for {
+		if err := l.tracker.Err(); err != nil {
+			return err
+		}
+		now := time.Now()
+		if !now.Before(l.nextStatus) {
+			if err := l.sendStatus(true); err != nil {
+				return err
+			}
+		}
+		if !l.deadline.Equal(l.nextStatus) {
+			l.deadline = l.nextStatus
+			if err := netConn.SetReadDeadline(l.deadline); err != nil {
+				return fmt.Errorf("set read deadline: %w", err)
+			}
+		}
+		if ctx.Err() != nil {
+			return nil
+		}
+		msg, err := l.conn.ReceiveMessage(context.Background())
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			if pgconn.Timeout(err) {
+				l.deadline = time.Time{} // the socket may hold a deadline in the past
+				if since := time.Since(l.lastRecv); since > l.s.cfg.Timeout {
+					return fmt.Errorf("no message from postgres for %s (network cut or half-open connection): reconnecting", since.Round(time.Second))
+				}
+				continue
+			}
+			return fmt.Errorf("receive replication message: %w", err)
+		}
+		l.lastRecv = time.Now()
+		switch m := msg.(type) {
+		case *pgproto3.CopyData:
+			if err := l.handle(ctx, m.Data); err != nil {
+				return err
+			}
+		case *pgproto3.ErrorResponse:
+			return pgconn.ErrorResponseToPgError(m)
+		case *pgproto3.NoticeResponse:
+			l.log.Warn().Str("notice", m.Message).Msg("postgres notice")
+		case *pgproto3.ParameterStatus:
+		default:
+			return fmt.Errorf("replication stream ended by the server (%T)", msg)
+		}
+	}
+}
+
+func (l *loop) handle(ctx context.Context, data []byte) error {
+	if len(data) == 0 {
+		return fmt.Errorf("%w: empty CopyData", decoder.ErrProtocol)
+	}
+	switch data[0] {
+	case pglogrepl.PrimaryKeepaliveMessageByteID:
+		ka, err := pglogrepl.ParsePrimaryKeepaliveMessage(data[1:])
+		if err != nil {
+			return fmt.Errorf("%w: %v", decoder.ErrProtocol, err)
+		}
+		// Idle: nothing in flight and no open transaction, so every change up
+		// to the server's position was either published or not an outbox row.
+		if !l.dec.InTransaction() {
+			l.tracker.AdvanceIdle(ka.ServerWALEnd)
+		}
+		if ka.ReplyRequested {
+			return l.sendStatus(false)
+		}
+		return nil
+	case pglogrepl.XLogDataByteID:
+		xld, err := pglogrepl.ParseXLogData(data[1:])
+		if err != nil {
+			return fmt.Errorf("%w: %v", decoder.ErrProtocol, err)
+		}
+		msg, err := l.dec.Decode(xld.WALData)
+		if err != nil {
+			return err
+		}
+		switch msg.Kind {
+		case decoder.KindEvent:
+			return l.publish(ctx, &msg.Event)
+		case decoder.KindCommit:
+			l.tracker.Commit(msg.EndLSN)
+		}
+		return nil
+	default:
+		return fmt.Errorf("%w: unknown CopyData message %q", decoder.ErrProtocol, data[0])
+	}
+}
+
+// publish tracks ev, waiting for room in the window while keeping status
+// updates flowing, then hands it to the sink.
+func (l *loop) publish(ctx context.Context, ev *decoder.Event) error {
+	size := len(ev.Payload) + 256
+	ticket, ok, err := l.tracker.TryAdd(size)
+	for !ok && err == nil {
+		wctx, cancel := context.WithDeadline(ctx, l.nextStatus)
+		ticket, err = l.tracker.Add(wctx, size)
+		cancel()
+		switch {
+		case err == nil:
+			ok = true
+		case ctx.Err() != nil:
+			return ctx.Err()
+		case errors.Is(err, context.DeadlineExceeded):
+			if err = l.sendStatus(false); err != nil {
+				return err
+			}
+		}
+		l.lastRecv = time.Now() // not reading while blocked: not a sign of a dead server
+	}
+	if err != nil {
+		return err
+	}
+	id, lsn := ev.ID, ev.CommitLSN
+	err = l.sess.Publish(ev, func(err error) {
+		if err == nil {
+			l.tracker.Done(ticket)
+			return
+		}
+		l.tracker.Fail(ticket, fmt.Errorf("publish id=%s (transaction %s): %w", id, lsn, err))
+	})
+	if err != nil {
+		l.tracker.Fail(ticket, err)
+		return fmt.Errorf("publish id=%s (transaction %s): %w", id, lsn, err)
+	}
+	return nil
+}
+
+// sendStatus confirms the tracker's safe LSN in all three positions.
+func (l *loop) sendStatus(replyRequested bool) error {
+	safe := l.tracker.Safe()
+	err := pglogrepl.SendStandbyStatusUpdate(context.Background(), l.conn, pglogrepl.StandbyStatusUpdate{
+		WALWritePosition: safe, WALFlushPosition: safe, WALApplyPosition: safe, ReplyRequested: replyRequested,
+	})
+	if err != nil {
+		return fmt.Errorf("send standby status: %w", err)
+	}
+	if safe != l.sent {
+		l.log.Debug().Str("lsn", safe.String()).Msg("confirmed")
+		l.sent = safe
+	}
+	l.s.sent.Store(uint64(safe))
+	l.nextStatus = time.Now().Add(l.s.cfg.StatusInterval)
+	return nil
+}
+
+// finish ends the session: it stops reading, waits (bounded) for in-flight
+// acks, confirms what is safe, and returns the session's error.
+func (l *loop) finish(ctx context.Context, runErr error) error {
+	dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.s.cfg.ShutdownTimeout)
+	defer cancel()
+	if err := l.sess.Close(dctx); err != nil {
+		l.log.Warn().Err(err).Msg("stopped without every in-flight ack; those events are replayed on the next start")
+	}
+	l.tracker.Close()
+	_ = l.conn.Conn().SetDeadline(time.Now().Add(2 * time.Second))
+	if err := l.sendStatus(false); err != nil && runErr == nil {
+		l.log.Warn().Err(err).Msg("final standby status not sent")
+	}
+	events, _ := l.tracker.InFlight()
+	l.log.Info().Str("confirmed_lsn", l.tracker.Safe().String()).Int("unacked", events).Msg("replication session stopped")
+	if ctx.Err() != nil && (runErr == nil || errors.Is(runErr, context.Canceled)) {
+		return nil
+	}
+	return runErr
+}

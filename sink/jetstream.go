@@ -1,0 +1,214 @@
+// Package sink publishes outbox events to NATS JetStream and reports, per
+// event, whether JetStream stored it.
+//
+// Each event becomes one message with Nats-Msg-Id = the outbox row id, so the
+// stream's duplicate window absorbs replays; a Duplicate PubAck is success.
+// Publishing is asynchronous and pipelined. With the order guard on (the
+// default), every message of a session but the first carries
+// Nats-Expected-Last-Msg-Id = the previous event's id: if one message is lost
+// (a reconnect drops the client's write buffer), JetStream refuses every later
+// one, so the stream can hold neither a gap nor a reordering. The failure ends
+// the session and the replay from the slot fills the hole in order.
+package sink
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jetbox-dev/jetbox/decoder"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/rs/zerolog"
+)
+
+// Header names jetbox sets on every message.
+const (
+	HeaderAggregateType = "Jetbox-Aggregate-Type"
+	HeaderAggregateID   = "Jetbox-Aggregate-Id"
+	HeaderEventType     = "Jetbox-Event-Type"
+	HeaderCommitLSN     = "Jetbox-Commit-LSN"
+	HeaderCommitTime    = "Jetbox-Commit-Time"
+	HeaderTxIndex       = "Jetbox-Tx-Index"
+)
+
+// CommitTimeLayout is the format of Jetbox-Commit-Time: RFC 3339 in UTC with
+// nanoseconds always printed, so the strings sort like the times.
+const CommitTimeLayout = "2006-01-02T15:04:05.000000000Z07:00"
+
+// Config configures publishing.
+type Config struct {
+	Stream          string        // stream name, e.g. "OUTBOX"
+	SubjectPrefix   string        // subjects are "<prefix>.>"
+	DuplicateWindow time.Duration // for a stream jetbox creates
+	PublishTimeout  time.Duration // how long to wait for one PubAck
+	MaxPending      int           // async publishes in flight (the tracker's window)
+	OrderGuard      bool          // set Nats-Expected-Last-Msg-Id (see package doc)
+}
+
+// PermanentError is a publish failure that retrying cannot fix (the message is
+// too large for the server or the stream). Hint says what to do.
+type PermanentError struct {
+	Err  error
+	Hint string
+}
+
+func (e *PermanentError) Error() string { return e.Err.Error() + ": " + e.Hint }
+func (e *PermanentError) Unwrap() error { return e.Err }
+
+// Permanent marks the error as one to stop on rather than retry.
+func (e *PermanentError) Permanent() bool { return true }
+
+// Stats are cumulative publishing counters.
+type Stats struct {
+	Published  uint64 // stored by JetStream (new messages)
+	Duplicates uint64 // acked as Duplicate: already stored, counted as success
+	Errors     uint64 // failed or unknown outcome; the event is republished
+}
+
+// Publisher publishes to one stream over one NATS connection.
+type Publisher struct {
+	cfg   Config
+	nc    *nats.Conn
+	js    jetstream.JetStream
+	log   zerolog.Logger
+	stats struct{ published, duplicates, errors atomic.Uint64 }
+}
+
+// New returns a publisher using nc, which the caller owns and closes.
+func New(nc *nats.Conn, cfg Config, log zerolog.Logger) (*Publisher, error) {
+	if cfg.PublishTimeout <= 0 {
+		cfg.PublishTimeout = 30 * time.Second
+	}
+	if cfg.MaxPending < 1 {
+		cfg.MaxPending = 1024
+	}
+	js, err := jetstream.New(nc,
+		jetstream.WithPublishAsyncTimeout(cfg.PublishTimeout),
+		// Above the tracker's window so the client's own stall never triggers.
+		jetstream.WithPublishAsyncMaxPending(cfg.MaxPending*2+16),
+	)
+	if err != nil {
+		return nil, fmt.Errorf("jetstream context: %w", err)
+	}
+	return &Publisher{cfg: cfg, nc: nc, js: js, log: log.With().Str("component", "sink").Str("stream", cfg.Stream).Logger()}, nil
+}
+
+// JetStream returns the publisher's JetStream handle.
+func (p *Publisher) JetStream() jetstream.JetStream { return p.js }
+
+// Stats returns the counters so far.
+func (p *Publisher) Stats() Stats {
+	return Stats{Published: p.stats.published.Load(), Duplicates: p.stats.duplicates.Load(), Errors: p.stats.errors.Load()}
+}
+
+// Session is one pipelined publishing run, matching one replication session.
+// Publish is called from one goroutine; done callbacks run on the session's
+// ack goroutine, in publish order.
+type Session struct {
+	p       *Publisher
+	pending chan pendingAck
+	quit    chan struct{}
+	wg      sync.WaitGroup
+	lastID  string
+	closed  bool
+}
+
+type pendingAck struct {
+	fut  jetstream.PubAckFuture
+	done func(error)
+}
+
+// Open starts a session. Close it to wait for its acks.
+func (p *Publisher) Open() *Session {
+	s := &Session{p: p, pending: make(chan pendingAck, p.cfg.MaxPending+1), quit: make(chan struct{})}
+	s.wg.Add(1)
+	go s.watch()
+	return s
+}
+
+// Publish sends ev asynchronously. done is called exactly once, with nil when
+// JetStream stored the message (or already had it), unless the session is
+// abandoned by a Close whose ctx expired. An error returned here means the
+// message was not sent and done will not be called.
+func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
+	msg := &nats.Msg{Subject: ev.Subject, Data: ev.Payload, Header: make(nats.Header, 8+len(ev.Headers))}
+	for _, h := range ev.Headers {
+		msg.Header[h.Key] = []string{h.Value} // keep the producer's spelling (traceparent)
+	}
+	msg.Header[HeaderAggregateType] = []string{ev.AggregateType}
+	msg.Header[HeaderAggregateID] = []string{ev.AggregateID}
+	msg.Header[HeaderEventType] = []string{ev.EventType}
+	msg.Header[HeaderCommitLSN] = []string{ev.CommitLSN.String()}
+	msg.Header[HeaderCommitTime] = []string{ev.CommitTime.UTC().Format(CommitTimeLayout)}
+	msg.Header[HeaderTxIndex] = []string{strconv.Itoa(ev.TxIndex)}
+
+	opts := []jetstream.PublishOpt{jetstream.WithMsgID(ev.ID)}
+	if s.p.cfg.OrderGuard && s.lastID != "" {
+		opts = append(opts, jetstream.WithExpectLastMsgID(s.lastID))
+	}
+	fut, err := s.p.js.PublishMsgAsync(msg, opts...)
+	if err != nil {
+		s.p.stats.errors.Add(1)
+		if errors.Is(err, nats.ErrMaxPayload) {
+			return &PermanentError{Err: fmt.Errorf("publish to %s: %w (payload %d bytes, server max_payload %d)", ev.Subject, err, len(ev.Payload), s.p.nc.MaxPayload()),
+				Hint: "raise max_payload on the NATS server or keep outbox payloads smaller (e.g. a CHECK on octet_length(payload))"}
+		}
+		return fmt.Errorf("publish to %s: %w", ev.Subject, err)
+	}
+	s.lastID = ev.ID
+	s.pending <- pendingAck{fut: fut, done: done}
+	return nil
+}
+
+func (s *Session) watch() {
+	defer s.wg.Done()
+	for pa := range s.pending {
+		select {
+		case ack := <-pa.fut.Ok():
+			if ack.Duplicate {
+				s.p.stats.duplicates.Add(1)
+			} else {
+				s.p.stats.published.Add(1)
+			}
+			pa.done(nil)
+		case err := <-pa.fut.Err():
+			s.p.stats.errors.Add(1)
+			pa.done(s.p.classify(err))
+		case <-s.quit:
+			return
+		}
+	}
+}
+
+func (p *Publisher) classify(err error) error {
+	var apiErr *jetstream.APIError
+	if errors.As(err, &apiErr) && apiErr.ErrorCode == jetstream.JSErrCodeStreamMessageExceedsMaximum {
+		return &PermanentError{Err: fmt.Errorf("stream %s refused the message: %w", p.cfg.Stream, err),
+			Hint: "raise the stream's max_msg_size or keep outbox payloads smaller"}
+	}
+	return err
+}
+
+// Close waits until every published event's done was called, or ctx ends;
+// in that case the remaining acks are abandoned and their done never runs.
+func (s *Session) Close(ctx context.Context) error {
+	if !s.closed {
+		s.closed = true
+		close(s.pending)
+	}
+	finished := make(chan struct{})
+	go func() { s.wg.Wait(); close(finished) }()
+	select {
+	case <-finished:
+		return nil
+	case <-ctx.Done():
+		close(s.quit)
+		<-finished
+		return fmt.Errorf("wait for in-flight acks: %w", ctx.Err())
+	}
+}

@@ -1,0 +1,73 @@
+package sink
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// EnsureStream creates the stream when it is missing (subjects "<prefix>.>",
+// file storage, the configured duplicate window) and otherwise checks that the
+// existing stream captures "<prefix>.>"; it never changes an existing stream.
+func (p *Publisher) EnsureStream(ctx context.Context) (*jetstream.StreamInfo, error) {
+	want := p.cfg.SubjectPrefix + ".>"
+	s, err := p.js.Stream(ctx, p.cfg.Stream)
+	switch {
+	case errors.Is(err, jetstream.ErrStreamNotFound):
+		cfg := jetstream.StreamConfig{
+			Name:        p.cfg.Stream,
+			Description: "transactional outbox, written by jetbox",
+			Subjects:    []string{want},
+			Storage:     jetstream.FileStorage,
+			Duplicates:  p.cfg.DuplicateWindow,
+		}
+		s, err = p.js.CreateStream(ctx, cfg)
+		if err != nil {
+			return nil, fmt.Errorf("create stream %q with subjects %q: %w", p.cfg.Stream, want, err)
+		}
+		p.log.Info().Str("subjects", want).Dur("duplicate_window", p.cfg.DuplicateWindow).Msg("created stream")
+	case err != nil:
+		return nil, fmt.Errorf("look up stream %q: %w", p.cfg.Stream, err)
+	}
+	info := s.CachedInfo()
+	if !Captures(info.Config.Subjects, want) {
+		return info, fmt.Errorf("stream %q has subjects %q, which do not capture %q: add %q to the stream's subjects, or set --subject-prefix / --stream to match",
+			p.cfg.Stream, info.Config.Subjects, want, want)
+	}
+	return info, nil
+}
+
+// Captures reports whether some subject filter in filters matches every
+// subject that pattern matches (NATS wildcard rules: '*' one token, '>' the rest).
+func Captures(filters []string, pattern string) bool {
+	pt := strings.Split(pattern, ".")
+	for _, f := range filters {
+		if covers(strings.Split(f, "."), pt) {
+			return true
+		}
+	}
+	return false
+}
+
+func covers(f, p []string) bool {
+	for i, ft := range f {
+		if ft == ">" {
+			return i < len(p) // '>' needs at least one token
+		}
+		if i >= len(p) {
+			return false
+		}
+		switch pt := p[i]; {
+		case pt == ">":
+			return false // pattern's '>' spans any depth; only '>' covers it
+		case ft == "*":
+			// covers a literal or '*' token
+		case ft != pt:
+			return false
+		}
+	}
+	return len(f) == len(p)
+}
