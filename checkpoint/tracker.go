@@ -1,11 +1,15 @@
 // Package checkpoint decides which LSN is safe to confirm to Postgres.
 //
 // Events are tracked in the order they are read from the WAL and resolved
-// (acked by JetStream) in any order. Commit markers carry the end LSN of each
-// transaction. Safe returns the end LSN of the last transaction such that it
-// and every transaction before it are fully acked. The tracker also bounds the
-// work in flight: Add blocks while the window (events or bytes) is full, which
-// is what keeps memory independent of transaction size.
+// (acked by JetStream, or failed) in any order. Commit markers carry the end
+// LSN of each transaction. Safe returns the end LSN of the last transaction
+// such that it and every transaction before it are fully acked. The tracker
+// also bounds the work in flight: Add blocks while the window (events or
+// bytes) is full, which keeps memory independent of transaction size.
+//
+// A failed event stays in the window, with the payload it was added with,
+// until Requeue hands it back for publishing again: nothing after it can be
+// confirmed before it is acked, and it is never dropped.
 //
 // The durable checkpoint is the slot's confirmed_flush_lsn in Postgres; the
 // tracker holds no state that must survive a restart.
@@ -14,7 +18,6 @@ package checkpoint
 import (
 	"context"
 	"errors"
-	"fmt"
 	"sync"
 
 	"github.com/jackc/pglogrepl"
@@ -26,11 +29,20 @@ var ErrClosed = errors.New("checkpoint tracker closed")
 // Ticket identifies one tracked event; pass it to Done or Fail.
 type Ticket uint64
 
+type state uint8
+
+const (
+	pending state = iota // in flight
+	done                 // stored
+	failed               // not stored, or outcome unknown: to publish again
+)
+
 type entry struct {
-	commit bool          // a commit marker rather than an event
-	done   bool          // event resolved successfully
-	size   int           // bytes the event holds while in flight
-	end    pglogrepl.LSN // for commit markers: the transaction end LSN
+	commit  bool          // a commit marker rather than an event
+	state   state         // of an event
+	size    int           // bytes the event holds while in the window
+	end     pglogrepl.LSN // of a commit marker: the transaction end LSN
+	payload any           // what Add was given, handed back by Requeue
 }
 
 // Tracker is safe for concurrent use: one goroutine adds events and commits,
@@ -40,82 +52,101 @@ type Tracker struct {
 	entries  []entry // entries[0] has ticket base
 	base     Ticket
 	safe     pglogrepl.LSN
-	events   int // events in entries (resolved or not)
-	bytes    int // bytes of unresolved events
+	events   int // events in the window (any state)
+	bytes    int // bytes of events in the window
+	pending  int // events in flight
+	failed   int // events failed and not yet requeued
+	lastErr  error
 	maxEvent int
 	maxBytes int
-	err      error
 	closed   bool
-	room     chan struct{} // closed and replaced when room frees and someone waits
+	changed  chan struct{} // closed and replaced on a change someone waits for
 	waiting  bool
 }
 
 // New returns a tracker whose safe position starts at start (the slot's
 // confirmed_flush_lsn) and which admits at most maxEvents events and maxBytes
-// bytes in flight. A maxBytes of 0 means no byte bound.
+// bytes in its window. A maxBytes of 0 means no byte bound.
 func New(start pglogrepl.LSN, maxEvents, maxBytes int) *Tracker {
 	if maxEvents < 1 {
 		maxEvents = 1
 	}
-	return &Tracker{safe: start, maxEvent: maxEvents, maxBytes: maxBytes, room: make(chan struct{})}
-}
-
-// Add tracks one event of size bytes. It blocks while the window is full,
-// until room frees, ctx ends, a tracked event failed, or the tracker closed.
-// A single event larger than the byte window is admitted when nothing else is
-// in flight, so an oversized event can never wedge the pipeline.
-func (t *Tracker) Add(ctx context.Context, size int) (Ticket, error) {
-	for {
-		if ticket, ok, err := t.TryAdd(size); ok || err != nil {
-			return ticket, err
-		}
-		t.mu.Lock()
-		if t.fits(size) || t.err != nil || t.closed {
-			t.mu.Unlock() // changed since TryAdd: try again
-			continue
-		}
-		room := t.room
-		t.waiting = true
-		t.mu.Unlock()
-		select {
-		case <-room:
-		case <-ctx.Done():
-			return 0, ctx.Err()
-		}
-	}
+	return &Tracker{safe: start, maxEvent: maxEvents, maxBytes: maxBytes, changed: make(chan struct{})}
 }
 
 // TryAdd is Add without blocking: ok is false when the window is full.
-func (t *Tracker) TryAdd(size int) (ticket Ticket, ok bool, err error) {
+func (t *Tracker) TryAdd(size int, payload any) (ticket Ticket, ok bool, err error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	switch {
-	case t.err != nil:
-		return 0, false, t.err
-	case t.closed:
+	if t.closed {
 		return 0, false, ErrClosed
-	case !t.fits(size):
+	}
+	if !t.fits(size) {
 		return 0, false, nil
 	}
 	ticket = t.base + Ticket(len(t.entries))
-	t.entries = append(t.entries, entry{size: size})
+	t.entries = append(t.entries, entry{size: size, payload: payload})
 	t.events++
+	t.pending++
 	t.bytes += size
 	return ticket, true, nil
+}
+
+// Add tracks one in-flight event of size bytes. It blocks while the window is
+// full, until room frees, ctx ends or the tracker closes. An event larger than
+// the byte window is admitted when the window is empty, so one big event can
+// never wedge the pipeline. While failed events await Requeue it returns
+// ErrFailures instead of blocking: they hold the window until republished.
+func (t *Tracker) Add(ctx context.Context, size int, payload any) (Ticket, error) {
+	for {
+		if ticket, ok, err := t.TryAdd(size, payload); ok || err != nil {
+			return ticket, err
+		}
+		if err := t.wait(ctx, func() bool { return t.fits(size) || t.closed || t.failed > 0 }); err != nil {
+			return 0, err
+		}
+		if n, _ := t.Failures(); n > 0 {
+			return 0, ErrFailures
+		}
+	}
+}
+
+// ErrFailures is returned by Add while failed events await Requeue.
+var ErrFailures = errors.New("failed events await republishing")
+
+// WaitResolved blocks until no event is in flight (each is done or failed).
+func (t *Tracker) WaitResolved(ctx context.Context) error {
+	return t.wait(ctx, func() bool { return t.pending == 0 || t.closed })
+}
+
+// wait blocks until cond (called with mu held) holds or ctx ends.
+func (t *Tracker) wait(ctx context.Context, cond func() bool) error {
+	for {
+		t.mu.Lock()
+		if cond() {
+			t.mu.Unlock()
+			return nil
+		}
+		ch := t.changed
+		t.waiting = true
+		t.mu.Unlock()
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
 }
 
 func (t *Tracker) fits(size int) bool {
 	if t.events >= t.maxEvent {
 		return false
 	}
-	if t.maxBytes > 0 && t.bytes+size > t.maxBytes && t.events > 0 {
-		return false
-	}
-	return true
+	return t.maxBytes <= 0 || t.events == 0 || t.bytes+size <= t.maxBytes
 }
 
 // Commit records the end of a transaction whose events were all added before
-// it. With nothing in flight the safe position moves at once.
+// it. With nothing in the window the safe position moves at once.
 func (t *Tracker) Commit(end pglogrepl.LSN) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -128,50 +159,115 @@ func (t *Tracker) Commit(end pglogrepl.LSN) {
 	t.entries = append(t.entries, entry{commit: true, end: end})
 }
 
-// Done marks the event as stored. Unknown or repeated tickets are ignored.
+// Done marks the in-flight event as stored. Other tickets are ignored.
 func (t *Tracker) Done(ticket Ticket) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if ticket < t.base || ticket >= t.base+Ticket(len(t.entries)) {
+	e := t.inFlight(ticket)
+	if e == nil {
 		return
 	}
-	e := &t.entries[ticket-t.base]
-	if e.commit || e.done {
-		return
-	}
-	e.done = true
-	t.bytes -= e.size
+	e.state = done
+	t.pending--
 	t.advance()
+	t.wake()
 }
 
-// Fail records that the event was not (or not provably) stored. The first
-// failure is kept: Add and Err return it from then on, and the safe position
-// never passes the failed event.
+// Fail marks the in-flight event as not stored (or not provably stored). It
+// stays in the window until Requeue returns it. err is kept for Failures.
 func (t *Tracker) Fail(ticket Ticket, err error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if t.err == nil {
-		t.err = fmt.Errorf("event %d: %w", ticket, err)
-		t.waiting = true
-		t.wake()
+	e := t.inFlight(ticket)
+	if e == nil {
+		return
 	}
+	e.state = failed
+	t.pending--
+	t.failed++
+	if t.lastErr == nil {
+		t.lastErr = err
+	}
+	t.wake()
 }
 
-// advance pops resolved events and commit markers from the head. Called with mu held.
+func (t *Tracker) inFlight(ticket Ticket) *entry {
+	if ticket < t.base || ticket >= t.base+Ticket(len(t.entries)) {
+		return nil
+	}
+	e := &t.entries[ticket-t.base]
+	if e.commit || e.state != pending {
+		return nil
+	}
+	return e
+}
+
+// FailPending fails every event still in flight: its acks will never come
+// (the session that published it was abandoned).
+func (t *Tracker) FailPending(err error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for i := range t.entries {
+		if e := &t.entries[i]; !e.commit && e.state == pending {
+			e.state = failed
+			t.failed++
+			if t.lastErr == nil {
+				t.lastErr = err
+			}
+		}
+	}
+	t.pending = 0
+	t.wake()
+}
+
+// Failures returns the number of failed events awaiting Requeue and the
+// first error among them.
+func (t *Tracker) Failures() (int, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.failed, t.lastErr
+}
+
+// Retry is a failed event handed back for publishing again.
+type Retry struct {
+	Ticket  Ticket
+	Payload any
+}
+
+// Requeue returns the failed events in window order and puts them back in
+// flight; publish each again and resolve it with Done or Fail.
+func (t *Tracker) Requeue() []Retry {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	out := make([]Retry, 0, t.failed)
+	for i := range t.entries {
+		if e := &t.entries[i]; !e.commit && e.state == failed {
+			e.state = pending
+			out = append(out, Retry{Ticket: t.base + Ticket(i), Payload: e.payload})
+		}
+	}
+	t.pending += len(out)
+	t.failed, t.lastErr = 0, nil
+	return out
+}
+
+// advance pops stored events and commit markers from the head. mu is held.
 func (t *Tracker) advance() {
 	n := 0
-	for n < len(t.entries) {
-		e := t.entries[n]
+	for ; n < len(t.entries); n++ {
+		e := &t.entries[n]
 		if e.commit {
 			if e.end > t.safe {
 				t.safe = e.end
 			}
-		} else if !e.done {
-			break
-		} else {
-			t.events--
+			continue
 		}
-		n++
+		if e.state != done {
+			break
+		}
+		t.events--
+		t.bytes -= e.size
+		e.payload = nil
 	}
 	if n == 0 {
 		return
@@ -179,11 +275,10 @@ func (t *Tracker) advance() {
 	t.base += Ticket(n)
 	t.entries = t.entries[n:]
 	if len(t.entries) == 0 {
-		t.entries = t.entries[:0:0] // release the backing array of a drained window
-	} else if cap(t.entries) > 2*t.maxEvent+64 && len(t.entries) < cap(t.entries)/4 {
+		t.entries = nil // release the backing array of a drained window
+	} else if cap(t.entries) > 4*t.maxEvent+64 && len(t.entries) < cap(t.entries)/4 {
 		t.entries = append([]entry(nil), t.entries...)
 	}
-	t.wake()
 }
 
 func (t *Tracker) wake() {
@@ -191,8 +286,8 @@ func (t *Tracker) wake() {
 		return
 	}
 	t.waiting = false
-	close(t.room)
-	t.room = make(chan struct{})
+	close(t.changed)
+	t.changed = make(chan struct{})
 }
 
 // Safe returns the highest LSN that may be confirmed: the end of the last
@@ -203,48 +298,31 @@ func (t *Tracker) Safe() pglogrepl.LSN {
 	return t.safe
 }
 
-// Idle reports whether nothing is in flight and no commit is pending.
-func (t *Tracker) Idle() bool {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	return len(t.entries) == 0 && t.err == nil
-}
-
-// AdvanceIdle moves the safe position to lsn if nothing is in flight. The
-// caller must also know that no transaction is open (between Begin and
-// Commit); it uses this for positions reported by server keepalives.
+// AdvanceIdle moves the safe position to lsn if the window is empty. The
+// caller must also know no transaction is open (between Begin and Commit); it
+// uses this for positions reported by server keepalives.
 func (t *Tracker) AdvanceIdle(lsn pglogrepl.LSN) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if len(t.entries) != 0 || t.err != nil || lsn <= t.safe {
+	if len(t.entries) != 0 || lsn <= t.safe {
 		return false
 	}
 	t.safe = lsn
 	return true
 }
 
-// InFlight returns the number of tracked events not yet popped and the bytes
-// of those not yet resolved.
+// InFlight returns the events in the window (not yet popped) and their bytes.
 func (t *Tracker) InFlight() (events, bytes int) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	return t.events, t.bytes
 }
 
-// Err returns the first failure recorded by Fail, or nil.
-func (t *Tracker) Err() error {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	return t.err
-}
-
-// Close wakes any blocked Add; later Adds return ErrClosed.
+// Close wakes every waiter; later Adds return ErrClosed.
 func (t *Tracker) Close() {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if !t.closed {
-		t.closed = true
-		t.waiting = true
-		t.wake()
-	}
+	t.closed = true
+	t.waiting = true
+	t.wake()
 }

@@ -257,8 +257,10 @@ func (l *loop) run(ctx context.Context) error {
 		return err
 	}
 	for {
-		if err := l.tracker.Err(); err != nil {
-			return err
+		if n, err := l.tracker.Failures(); n > 0 {
+			if err := l.republish(ctx, n, err); err != nil {
+				return err
+			}
 		}
 		now := time.Now()
 		if !now.Before(l.nextStatus) {
@@ -350,39 +352,152 @@ func (l *loop) handle(ctx context.Context, data []byte) error {
 // updates flowing, then hands it to the sink.
 func (l *loop) publish(ctx context.Context, ev *decoder.Event) error {
 	size := len(ev.Payload) + 256
-	ticket, ok, err := l.tracker.TryAdd(size)
-	for !ok && err == nil {
+	if ticket, ok, err := l.tracker.TryAdd(size, ev); ok || err != nil {
+		if ok {
+			l.send(ticket, ev)
+		}
+		return err
+	}
+	for {
 		wctx, cancel := context.WithDeadline(ctx, l.nextStatus)
-		ticket, err = l.tracker.Add(wctx, size)
+		ticket, err := l.tracker.Add(wctx, size, ev)
 		cancel()
 		switch {
 		case err == nil:
-			ok = true
+			l.send(ticket, ev)
+			return nil
 		case ctx.Err() != nil:
 			return ctx.Err()
-		case errors.Is(err, context.DeadlineExceeded):
-			if err = l.sendStatus(false); err != nil {
+		case errors.Is(err, checkpoint.ErrFailures):
+			n, cause := l.tracker.Failures()
+			if err := l.republish(ctx, n, cause); err != nil {
 				return err
 			}
+		case errors.Is(err, context.DeadlineExceeded):
+			if err := l.sendStatus(false); err != nil {
+				return err
+			}
+		default:
+			return err
 		}
 		l.lastRecv = time.Now() // not reading while blocked: not a sign of a dead server
 	}
-	if err != nil {
-		return err
-	}
+}
+
+// send publishes one tracked event; every outcome resolves its ticket.
+func (l *loop) send(ticket checkpoint.Ticket, ev *decoder.Event) {
 	id, lsn := ev.ID, ev.CommitLSN
-	err = l.sess.Publish(ev, func(err error) {
+	wrap := func(err error) error { return fmt.Errorf("publish id=%s (transaction %s): %w", id, lsn, err) }
+	err := l.sess.Publish(ev, func(err error) {
 		if err == nil {
 			l.tracker.Done(ticket)
-			return
+		} else {
+			l.tracker.Fail(ticket, wrap(err))
 		}
-		l.tracker.Fail(ticket, fmt.Errorf("publish id=%s (transaction %s): %w", id, lsn, err))
 	})
 	if err != nil {
-		l.tracker.Fail(ticket, err)
-		return fmt.Errorf("publish id=%s (transaction %s): %w", id, lsn, err)
+		l.tracker.Fail(ticket, wrap(err))
 	}
-	return nil
+}
+
+var errAbandoned = errors.New("no PubAck before the publish session was abandoned")
+
+// republish recovers from failed publishes without dropping the replication
+// connection: it stops reading, lets every in-flight publish resolve, then
+// publishes the failed events again, in window order, with backoff, until
+// all are stored. Status updates keep flowing meanwhile (confirming only what
+// is safe), so a long NATS outage costs no reconnect and no re-decoding.
+func (l *loop) republish(ctx context.Context, failed int, cause error) error {
+	bo := backoff.NewExponentialBackOff()
+	bo.InitialInterval = 200 * time.Millisecond
+	bo.MaxInterval = l.s.cfg.MaxBackoff
+	for attempt := 1; ; attempt++ {
+		if IsPermanent(cause) {
+			return cause
+		}
+		// The sink's publish timeout bounds the wait; the cap guards against a
+		// client that never resolves a future.
+		if err := l.closeSession(ctx, 2*time.Minute); err != nil {
+			return err
+		}
+		wait := bo.NextBackOff()
+		l.log.Warn().Err(cause).Int("failed", failed).Int("attempt", attempt).Dur("backoff", wait).
+			Msg("publish failed: republishing from the first unacked event, in order")
+		if err := l.idle(ctx, time.Now().Add(wait)); err != nil {
+			return err
+		}
+		l.sess = l.s.sink.Open()
+		for _, r := range l.tracker.Requeue() {
+			l.send(r.Ticket, r.Payload.(*decoder.Event))
+			if n, _ := l.tracker.Failures(); n > 0 {
+				l.tracker.FailPending(errAbandoned) // nothing after a failure can be stored
+				break
+			}
+		}
+		for {
+			wctx, cancel := context.WithDeadline(ctx, l.nextStatus)
+			err := l.tracker.WaitResolved(wctx)
+			cancel()
+			if err == nil {
+				break
+			}
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			if err := l.sendStatus(false); err != nil {
+				return err
+			}
+		}
+		if failed, cause = l.tracker.Failures(); failed == 0 {
+			l.log.Info().Int("attempt", attempt).Msg("republished; resuming")
+			l.lastRecv = time.Now()
+			return nil
+		}
+	}
+}
+
+// closeSession waits up to timeout for the sink session's acks, sending
+// status updates meanwhile, then fails whatever is still in flight.
+func (l *loop) closeSession(ctx context.Context, timeout time.Duration) error {
+	dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), timeout)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- l.sess.Close(dctx) }()
+	for {
+		select {
+		case err := <-done:
+			if err != nil {
+				l.log.Warn().Err(err).Msg("gave up waiting for acks")
+			}
+			l.tracker.FailPending(errAbandoned)
+			return nil
+		case <-time.After(time.Until(l.nextStatus)):
+			if err := l.sendStatus(false); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+// idle waits until t (or ctx ends) while keeping status updates flowing.
+func (l *loop) idle(ctx context.Context, t time.Time) error {
+	for {
+		next := l.nextStatus
+		if t.Before(next) {
+			next = t
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(time.Until(next)):
+		}
+		if !time.Now().Before(t) {
+			return nil
+		}
+		if err := l.sendStatus(false); err != nil {
+			return err
+		}
+	}
 }
 
 // sendStatus confirms the tracker's safe LSN in all three positions.
@@ -406,13 +521,12 @@ func (l *loop) sendStatus(replyRequested bool) error {
 // finish ends the session: it stops reading, waits (bounded) for in-flight
 // acks, confirms what is safe, and returns the session's error.
 func (l *loop) finish(ctx context.Context, runErr error) error {
-	dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.s.cfg.ShutdownTimeout)
-	defer cancel()
-	if err := l.sess.Close(dctx); err != nil {
-		l.log.Warn().Err(err).Msg("stopped without every in-flight ack; those events are replayed on the next start")
+	// Bound every write of the shutdown path: the connection may be dead.
+	_ = l.conn.Conn().SetDeadline(time.Now().Add(l.s.cfg.ShutdownTimeout + 2*time.Second))
+	if err := l.closeSession(ctx, l.s.cfg.ShutdownTimeout); err != nil && runErr == nil {
+		runErr = err
 	}
 	l.tracker.Close()
-	_ = l.conn.Conn().SetDeadline(time.Now().Add(2 * time.Second))
 	if err := l.sendStatus(false); err != nil && runErr == nil {
 		l.log.Warn().Err(err).Msg("final standby status not sent")
 	}

@@ -132,6 +132,9 @@ func (f *fixture) start(extra ...string) *proc {
 		close(p.done)
 	}()
 	f.t.Cleanup(func() {
+		if f.t.Failed() {
+			p.dumpGoroutines()
+		}
 		p.kill()
 		if f.t.Failed() {
 			f.t.Logf("jetbox log %s (last 6KiB):\n%s", p.log, p.tail(6144))
@@ -149,6 +152,25 @@ func (p *proc) tail(n int) string {
 }
 
 func (p *proc) logText() string { b, _ := os.ReadFile(p.log); return string(b) }
+
+// dumpGoroutines makes a running jetbox print its goroutines to its log
+// (SIGQUIT) and waits for it to exit; for post-mortems of failed tests.
+func (p *proc) dumpGoroutines() {
+	select {
+	case <-p.done:
+		return
+	default:
+	}
+	_ = p.cmd.Process.Signal(syscall.SIGQUIT)
+	select {
+	case <-p.done:
+	case <-time.After(5 * time.Second):
+	}
+	if os.Getenv("JETBOX_KEEP_LOGS") != "" {
+		b, _ := os.ReadFile(p.log)
+		_ = os.WriteFile(filepath.Join(os.TempDir(), "jetbox-failed-"+filepath.Base(p.log)), b, 0o644)
+	}
+}
 
 // kill sends SIGKILL and waits for the process to be gone.
 func (p *proc) kill() {
