@@ -85,45 +85,77 @@ func TestIdleSlotRetainsNoWAL(t *testing.T) {
 	}
 }
 
-// TestNATSDownConfirmsNothingUnpublished: with NATS down, the slot is never
-// confirmed past the first unpublished transaction, however much unrelated
-// WAL the server sends keepalives for; then a crash and restart deliver all.
+// TestNATSDownConfirmsNothingUnpublished: with NATS unreachable, the slot is
+// never confirmed past the first unpublished transaction, however much
+// unrelated WAL the server sends keepalives for, both while publishes hang
+// (a blackholed connection: acks never come) and after they failed (the
+// server stopped); then a crash and restart deliver everything.
 func TestNATSDownConfirmsNothingUnpublished(t *testing.T) {
-	f := newFixture(t)
-	o := f.newOracle()
-	p := f.start("JETBOX_STATUS_INTERVAL=200ms", "JETBOX_PUBLISH_TIMEOUT=1s")
-	f.waitStreaming(p)
-	conn := f.conn()
-	before := f.insertTx(conn, "before", 3)
-	f.waitCount(3, 30*time.Second)
+	for _, mode := range []string{"blackholed", "stopped"} {
+		t.Run(mode, func(t *testing.T) {
+			f := newFixture(t)
+			o := f.newOracle()
+			proxy := testenv.StartProxy(t, f.nats.URL[len("nats://"):])
+			f.natURL = "nats://" + proxy.Addr
+			p := f.start("JETBOX_STATUS_INTERVAL=200ms")
+			f.waitStreaming(p)
+			conn := f.conn()
+			before := f.insertTx(conn, "before", 3)
+			f.waitCount(3, 30*time.Second)
 
-	f.nats.Stop()
-	var want []string
-	for i := 0; i < 10; i++ {
-		want = append(want, f.insertTx(conn, fmt.Sprintf("down-%d", i), 10)...)
+			if mode == "blackholed" {
+				proxy.Pause()
+			} else {
+				f.nats.Stop()
+			}
+			var want []string
+			for i := 0; i < 10; i++ {
+				want = append(want, f.insertTx(conn, fmt.Sprintf("down-%d", i), 10)...)
+			}
+			firstEnd := o.endLSNOf(want[0])
+			checkBelow := func() {
+				t.Helper()
+				lsn, _, err := f.slotState()
+				must(t, err)
+				if lsn >= firstEnd {
+					t.Fatalf("confirmed_flush_lsn %s reached the end of the first unpublished transaction (%s)", lsn, firstEnd)
+				}
+			}
+			checkBelow()
+			f.unrelatedWAL(conn)
+			checkBelow()
+
+			p.kill()
+			checkBelow()
+			if mode == "blackholed" {
+				proxy.Cut()
+				proxy.Resume()
+			} else {
+				f.nats.Start()
+			}
+			p = f.start()
+			all := append(before, want...)
+			f.waitCount(len(all), time.Minute)
+			f.assertStream(all)
+			p.stop()
+		})
 	}
-	firstEnd := o.endLSNOf(want[0])
-	checkBelow := func() {
-		t.Helper()
-		lsn, _, err := f.slotState()
-		must(t, err)
-		if lsn >= firstEnd {
-			t.Fatalf("confirmed_flush_lsn %s reached the end of the first unpublished transaction (%s)", lsn, firstEnd)
-		}
-	}
-	checkBelow()
-	// Unrelated WAL: keepalives now carry positions far past the outbox rows.
-	ctx := ctxT(t, time.Minute)
+}
+
+// unrelatedWAL writes WAL for a table outside the publication and waits until
+// the walsender has sent keepalives past it and jetbox replied after that.
+func (f *fixture) unrelatedWAL(conn *pgx.Conn) {
+	f.t.Helper()
+	ctx := ctxT(f.t, time.Minute)
 	for i := 0; i < 3; i++ {
 		_, err := conn.Exec(ctx, "INSERT INTO other (note) SELECT 'x' FROM generate_series(1, 1000)")
-		must(t, err)
+		must(f.t, err)
 		_, err = conn.Exec(ctx, "SELECT pg_switch_wal()")
-		must(t, err)
+		must(f.t, err)
 	}
 	end := f.currentLSN(conn)
 	since := time.Now()
-	// Wait until the walsender sent past all of it and jetbox replied after that.
-	testenv.WaitFor(t, time.Minute, func() error {
+	testenv.WaitFor(f.t, time.Minute, func() error {
 		var sent string
 		var reply time.Time
 		err := conn.QueryRow(ctx, `SELECT coalesce(sent_lsn::text, '0/0'), coalesce(reply_time, 'epoch') FROM pg_stat_replication WHERE application_name = 'jetbox'`).Scan(&sent, &reply)
@@ -139,16 +171,6 @@ func TestNATSDownConfirmsNothingUnpublished(t *testing.T) {
 		}
 		return nil
 	})
-	checkBelow()
-
-	p.kill()
-	checkBelow()
-	f.nats.Start()
-	p = f.start()
-	all := append(before, want...)
-	f.waitCount(len(all), time.Minute)
-	f.assertStream(all)
-	p.stop()
 }
 
 // endLSNOf returns the end LSN of the transaction that inserted id (the LSN

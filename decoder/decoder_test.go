@@ -1,0 +1,324 @@
+package decoder
+
+import (
+	"encoding/binary"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+)
+
+// pgoutput v1 message builders (see the protocol docs, "Logical Replication
+// Message Formats").
+
+func u16(b []byte, v uint16) []byte { return binary.BigEndian.AppendUint16(b, v) }
+func u32(b []byte, v uint32) []byte { return binary.BigEndian.AppendUint32(b, v) }
+func u64(b []byte, v uint64) []byte { return binary.BigEndian.AppendUint64(b, v) }
+func cstr(b []byte, s string) []byte { return append(append(b, s...), 0) }
+
+var pgEpoch = time.Date(2000, 1, 1, 0, 0, 0, 0, time.UTC)
+
+func beginMsg(final pglogrepl.LSN, at time.Time, xid uint32) []byte {
+	b := []byte{'B'}
+	b = u64(b, uint64(final))
+	b = u64(b, uint64(at.Sub(pgEpoch).Microseconds()))
+	return u32(b, xid)
+}
+
+func commitMsg(commit, end pglogrepl.LSN, at time.Time) []byte {
+	b := []byte{'C', 0}
+	b = u64(b, uint64(commit))
+	b = u64(b, uint64(end))
+	return u64(b, uint64(at.Sub(pgEpoch).Microseconds()))
+}
+
+type col struct {
+	name string
+	oid  uint32
+}
+
+func relationMsg(id uint32, schema, table string, cols []col) []byte {
+	b := []byte{'R'}
+	b = u32(b, id)
+	b = cstr(b, schema)
+	b = cstr(b, table)
+	b = append(b, 'd')
+	b = u16(b, uint16(len(cols)))
+	for _, c := range cols {
+		b = append(b, 0)
+		b = cstr(b, c.name)
+		b = u32(b, c.oid)
+		b = u32(b, 0xffffffff)
+	}
+	return b
+}
+
+// insertMsg takes column values; nil is NULL.
+func insertMsg(rel uint32, values ...*string) []byte {
+	b := []byte{'I'}
+	b = u32(b, rel)
+	b = append(b, 'N')
+	b = u16(b, uint16(len(values)))
+	for _, v := range values {
+		if v == nil {
+			b = append(b, 'n')
+			continue
+		}
+		b = append(b, 't')
+		b = u32(b, uint32(len(*v)))
+		b = append(b, *v...)
+	}
+	return b
+}
+
+func s(v string) *string { return &v }
+
+var outboxCols = []col{
+	{"id", oidUUID}, {"aggregate_type", oidText}, {"aggregate_id", oidText}, {"event_type", oidText},
+	{"payload", oidJSONB}, {"headers", oidJSONB}, {"created_at", 1184},
+}
+
+func newTestDecoder() *Decoder {
+	return New(Config{Schema: "public", Table: "outbox", Columns: DefaultColumns, SubjectPrefix: "outbox"})
+}
+
+func decode(t *testing.T, d *Decoder, msg []byte) Message {
+	t.Helper()
+	m, err := d.Decode(msg)
+	if err != nil {
+		t.Fatalf("Decode(%q...): %v", msg[0], err)
+	}
+	return m
+}
+
+const id1 = "0b5e8f8e-4f0b-4a34-9d0c-2a1c3e4f5a6b"
+
+func TestDecodeTransaction(t *testing.T) {
+	d := newTestDecoder()
+	at := time.Date(2026, 12, 1, 10, 0, 0, 123456000, time.UTC)
+	decode(t, d, relationMsg(16384, "public", "outbox", outboxCols))
+	decode(t, d, relationMsg(16390, "public", "other", []col{{"id", 20}}))
+	if m := decode(t, d, beginMsg(0x1000, at, 42)); m.Kind != KindBegin || !d.InTransaction() {
+		t.Fatalf("begin: %+v", m)
+	}
+	m := decode(t, d, insertMsg(16384, s(id1), s("order"), s("o-1"), s("OrderCreated"), s(`{"a": 1}`), s(`{"traceparent": "00-1", "n": 2}`), s("2026-12-01")))
+	if m.Kind != KindEvent {
+		t.Fatalf("insert: %+v", m)
+	}
+	ev := m.Event
+	if ev.ID != id1 || ev.Subject != "outbox.order.OrderCreated" || string(ev.Payload) != `{"a": 1}` ||
+		ev.AggregateID != "o-1" || ev.CommitLSN != 0x1000 || !ev.CommitTime.Equal(at) || ev.TxIndex != 0 || ev.XID != 42 {
+		t.Fatalf("event: %+v", ev)
+	}
+	if len(ev.Headers) != 1 || ev.Headers[0] != (Header{"traceparent", "00-1"}) {
+		t.Fatalf("headers: %+v", ev.Headers)
+	}
+	if m := decode(t, d, insertMsg(16390, s("7"))); m.Kind != KindNone {
+		t.Fatalf("other table produced %+v", m)
+	}
+	m = decode(t, d, insertMsg(16384, s(id1), s("order"), s("o-1"), s("OrderPaid"), s(`{}`), nil, nil))
+	if m.Event.TxIndex != 1 || m.Event.Headers != nil {
+		t.Fatalf("second event: %+v", m.Event)
+	}
+	m = decode(t, d, commitMsg(0x1000, 0x1040, at))
+	if m.Kind != KindCommit || m.EndLSN != 0x1040 || d.InTransaction() {
+		t.Fatalf("commit: %+v", m)
+	}
+	// The next transaction numbers its rows from 0 again.
+	decode(t, d, beginMsg(0x2000, at, 43))
+	if m := decode(t, d, insertMsg(16384, s(id1), s("a"), s("b"), s("c"), s(`1`), nil, nil)); m.Event.TxIndex != 0 {
+		t.Fatalf("tx index not reset: %d", m.Event.TxIndex)
+	}
+}
+
+func TestDecodeIgnoresUpdatesDeletesAndMessages(t *testing.T) {
+	d := newTestDecoder()
+	for _, typ := range []byte{'U', 'D', 'T', 'Y', 'O', 'M'} {
+		if m, err := d.Decode([]byte{typ, 1, 2, 3}); err != nil || m.Kind != KindNone {
+			t.Errorf("%q: %+v %v", typ, m, err)
+		}
+	}
+}
+
+func TestDecodeBytea(t *testing.T) {
+	d := New(Config{Schema: "app", Table: "events", SubjectPrefix: "p",
+		Columns: Columns{ID: "event_id", AggregateType: "kind", AggregateID: "key", EventType: "name", Payload: "body"}})
+	decode(t, d, relationMsg(1, "app", "events", []col{{"event_id", oidText}, {"kind", oidText}, {"key", oidVarchar}, {"name", oidText}, {"body", oidBytea}}))
+	decode(t, d, beginMsg(10, time.Now(), 1))
+	m := decode(t, d, insertMsg(1, s("e-1"), s("k"), s("x"), s("n"), s(`\x00ff0a`)))
+	if string(m.Event.Payload) != "\x00\xff\x0a" || m.Event.ID != "e-1" || m.Event.Subject != "p.k.n" {
+		t.Fatalf("%+v", m.Event)
+	}
+}
+
+func TestInvalidRows(t *testing.T) {
+	cases := []struct {
+		name    string
+		values  []*string
+		wantID  string
+		wantErr string
+	}{
+		{"null id", []*string{nil, s("order"), s("1"), s("E"), s("{}"), nil, nil}, "", `column "id" is NULL`},
+		{"null payload", []*string{s(id1), s("order"), s("1"), s("E"), nil, nil, nil}, id1, "payload is NULL"},
+		{"space in aggregate_type", []*string{s(id1), s("big order"), s("1"), s("E"), s("{}"), nil, nil}, id1, "aggregate_type"},
+		{"dot in event_type", []*string{s(id1), s("order"), s("1"), s("a.b"), s("{}"), nil, nil}, id1, "event_type"},
+		{"wildcard", []*string{s(id1), s("*"), s("1"), s("E"), s("{}"), nil, nil}, id1, "reserve"},
+		{"empty event_type", []*string{s(id1), s("order"), s("1"), s(""), s("{}"), nil, nil}, id1, "empty"},
+		{"control byte", []*string{s(id1), s("or\x01der"), s("1"), s("E"), s("{}"), nil, nil}, id1, "control"},
+		{"headers not an object", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`[1]`), nil}, id1, "not a JSON object"},
+		{"reserved header", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`{"Nats-Msg-Id": "x"}`), nil}, id1, "reserved"},
+		{"header with CRLF", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`{"a": "x\r\nb: y"}`), nil}, id1, "control"},
+		{"bad header name", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`{"a b": "x"}`), nil}, id1, "header name"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			d := newTestDecoder()
+			decode(t, d, relationMsg(5, "public", "outbox", outboxCols))
+			decode(t, d, beginMsg(0xABC, time.Now(), 1))
+			_, err := d.Decode(insertMsg(5, c.values...))
+			var ie *InvalidEventError
+			if !errors.As(err, &ie) {
+				t.Fatalf("want *InvalidEventError, got %v", err)
+			}
+			if ie.ID != c.wantID || ie.LSN != 0xABC || !strings.Contains(ie.Error(), c.wantErr) {
+				t.Fatalf("error %q (id %q, lsn %s), want id %q and %q", ie.Error(), ie.ID, ie.LSN, c.wantID, c.wantErr)
+			}
+			if !strings.Contains(ie.Error(), "0/ABC") {
+				t.Fatalf("error does not name the LSN: %s", ie)
+			}
+		})
+	}
+}
+
+func TestRelationChanges(t *testing.T) {
+	d := newTestDecoder()
+	decode(t, d, relationMsg(5, "public", "outbox", outboxCols))
+	decode(t, d, beginMsg(1, time.Now(), 1))
+	// A column added and the columns reordered: still decoded by name.
+	cols := []col{{"extra", oidText}, {"payload", oidJSON}, {"event_type", oidText}, {"aggregate_id", oidText}, {"aggregate_type", oidText}, {"id", oidUUID}}
+	decode(t, d, relationMsg(5, "public", "outbox", cols))
+	m := decode(t, d, insertMsg(5, s("x"), s(`{"k":1}`), s("E"), s("a1"), s("order"), s(id1)))
+	if m.Event.ID != id1 || string(m.Event.Payload) != `{"k":1}` || m.Event.Subject != "outbox.order.E" {
+		t.Fatalf("%+v", m.Event)
+	}
+	// The payload column dropped: the row cannot be published.
+	decode(t, d, relationMsg(5, "public", "outbox", cols[2:]))
+	_, err := d.Decode(insertMsg(5, s("E"), s("a1"), s("order"), s(id1)))
+	var ie *InvalidEventError
+	if !errors.As(err, &ie) || !strings.Contains(err.Error(), `column "payload" is missing`) {
+		t.Fatalf("got %v", err)
+	}
+	// Retyped to an unsupported type.
+	decode(t, d, relationMsg(5, "public", "outbox", []col{{"id", 20}, {"aggregate_type", oidText}, {"aggregate_id", oidText}, {"event_type", oidText}, {"payload", oidJSONB}}))
+	if _, err := d.Decode(insertMsg(5, s("1"), s("a"), s("b"), s("c"), s("{}"))); err == nil || !strings.Contains(err.Error(), "want uuid or text") {
+		t.Fatalf("got %v", err)
+	}
+}
+
+func TestProtocolErrors(t *testing.T) {
+	d := newTestDecoder()
+	for name, msg := range map[string][]byte{
+		"empty":               {},
+		"short begin":         {'B', 1, 2},
+		"short relation":      {'R', 0, 0},
+		"unknown type":        {'Z'},
+		"stream start":        {'S', 0, 0, 0, 1, 1},
+		"insert before rel":   insertMsg(9, s("x")),
+		"commit without tx":   commitMsg(1, 2, time.Now()),
+		"truncated relation":  relationMsg(1, "public", "outbox", outboxCols)[:20],
+		"two-phase prepare":   {'P', 0},
+		"relation no columns": {'R', 0, 0, 0, 1, 'p', 0, 'o', 0, 'd'},
+	} {
+		if _, err := d.Decode(msg); !errors.Is(err, ErrProtocol) {
+			t.Errorf("%s: got %v, want ErrProtocol", name, err)
+		}
+	}
+	decode(t, d, relationMsg(5, "public", "outbox", outboxCols))
+	decode(t, d, beginMsg(1, time.Now(), 1))
+	full := insertMsg(5, s(id1), s("order"), s("1"), s("E"), s("{}"), nil, nil)
+	for i := 1; i < len(full); i++ {
+		if _, err := d.Decode(full[:i]); !errors.Is(err, ErrProtocol) {
+			t.Fatalf("insert truncated to %d bytes: got %v", i, err)
+		}
+	}
+	if _, err := d.Decode(beginMsg(2, time.Now(), 2)); !errors.Is(err, ErrProtocol) {
+		t.Fatalf("nested BEGIN: %v", err)
+	}
+}
+
+func TestSubject(t *testing.T) {
+	good := [][3]string{{"outbox", "order", "OrderCreated"}, {"acme.outbox", "ordér", "Créé"}, {"o", "a-b_c", "E:1"}}
+	for _, g := range good {
+		if _, err := Subject(g[0], g[1], g[2]); err != nil {
+			t.Errorf("%v: %v", g, err)
+		}
+	}
+	bad := [][3]string{{"", "a", "b"}, {"a..b", "a", "b"}, {"a.", "a", "b"}, {"o", "", "b"}, {"o", "a b", "c"}, {"o", "a", "b\tc"},
+		{"o", ">", "c"}, {"o", "a", "*"}, {"o", "a.b", "c"}, {"o", "a", "\x7f"}, {"o", "\xff", "c"}, {"o*", "a", "b"}}
+	for _, b := range bad {
+		if _, err := Subject(b[0], b[1], b[2]); err == nil {
+			t.Errorf("%q accepted", b)
+		}
+	}
+}
+
+func TestParseHeaders(t *testing.T) {
+	h, err := parseHeaders([]byte(`{"b": "2", "a": "1", "n": 1, "o": {"x": "y"}, "z": null, "u": "\u00e9"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []Header{{"a", "1"}, {"b", "2"}, {"u", "é"}}
+	if len(h) != len(want) {
+		t.Fatalf("%+v", h)
+	}
+	for i := range want {
+		if h[i] != want[i] {
+			t.Fatalf("%+v, want %+v", h, want)
+		}
+	}
+	for _, in := range []string{"null", "", "{}", "  {} "} {
+		if h, err := parseHeaders([]byte(in)); err != nil || h != nil {
+			t.Errorf("%q: %v %v", in, h, err)
+		}
+	}
+	for _, in := range []string{`"x"`, `[]`, `{"a":`, `{"jetbox-x": "1"}`, `{"NATS-EXPECTED-STREAM": "1"}`} {
+		if _, err := parseHeaders([]byte(in)); err == nil {
+			t.Errorf("%q accepted", in)
+		}
+	}
+}
+
+func BenchmarkDecodeInsert(b *testing.B) {
+	d := newTestDecoder()
+	if _, err := d.Decode(relationMsg(5, "public", "outbox", outboxCols)); err != nil {
+		b.Fatal(err)
+	}
+	if _, err := d.Decode(beginMsg(1, time.Now(), 1)); err != nil {
+		b.Fatal(err)
+	}
+	msg := insertMsg(5, s(id1), s("order"), s("o-123"), s("OrderCreated"),
+		s(`{"order_id": 123, "customer": "c-42", "items": [{"sku": "A", "qty": 2}], "total": 99.5}`), nil, s("2026-12-01 10:00:00+00"))
+	b.ReportAllocs()
+	b.SetBytes(int64(len(msg)))
+	for i := 0; i < b.N; i++ {
+		if _, err := d.Decode(msg); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+func BenchmarkDecodeInsertWithHeaders(b *testing.B) {
+	d := newTestDecoder()
+	_, _ = d.Decode(relationMsg(5, "public", "outbox", outboxCols))
+	_, _ = d.Decode(beginMsg(1, time.Now(), 1))
+	msg := insertMsg(5, s(id1), s("order"), s("o-123"), s("OrderCreated"), s(`{"order_id": 123}`),
+		s(`{"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}`), nil)
+	b.ReportAllocs()
+	for i := 0; i < b.N; i++ {
+		if _, err := d.Decode(msg); err != nil {
+			b.Fatal(err)
+		}
+	}
+}

@@ -1,0 +1,196 @@
+package sink_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jetbox-dev/jetbox/decoder"
+	"github.com/jetbox-dev/jetbox/internal/testenv"
+	"github.com/jetbox-dev/jetbox/sink"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/rs/zerolog"
+)
+
+func newPublisher(t *testing.T, n *testenv.NATS, cfg sink.Config) *sink.Publisher {
+	t.Helper()
+	nc, _ := n.Connect(t)
+	p, err := sink.New(nc, cfg, zerolog.New(zerolog.NewTestWriter(t)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func baseConfig() sink.Config {
+	return sink.Config{Stream: "OUTBOX", SubjectPrefix: "outbox", DuplicateWindow: time.Minute,
+		PublishTimeout: 5 * time.Second, MaxPending: 64, OrderGuard: true}
+}
+
+func event(id, agg, typ string) *decoder.Event {
+	return &decoder.Event{ID: id, Subject: "outbox." + agg + "." + typ, AggregateType: agg, AggregateID: "a1",
+		EventType: typ, Payload: []byte(`{"id":"` + id + `"}`), CommitLSN: 0x16B3748, CommitTime: time.Unix(1, 5).UTC()}
+}
+
+// publishAll publishes evs in one session and returns each done error.
+func publishAll(t *testing.T, p *sink.Publisher, evs ...*decoder.Event) []error {
+	t.Helper()
+	s := p.Open()
+	errs := make([]error, len(evs))
+	for i, ev := range evs {
+		i := i
+		if err := s.Publish(ev, func(err error) { errs[i] = err }); err != nil {
+			errs[i] = err
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := s.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	return errs
+}
+
+func TestEnsureStreamCreatesAndChecks(t *testing.T) {
+	n := testenv.StartNATS(t)
+	p := newPublisher(t, n, baseConfig())
+	ctx := context.Background()
+	info, err := p.EnsureStream(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.Config.Subjects[0] != "outbox.>" || info.Config.Storage != jetstream.FileStorage || info.Config.Duplicates != time.Minute {
+		t.Fatalf("created %+v", info.Config)
+	}
+	if _, err := p.EnsureStream(ctx); err != nil { // existing and fitting: used as is
+		t.Fatal(err)
+	}
+
+	_, js := n.Connect(t)
+	if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: "NARROW", Subjects: []string{"events.order.*"}}); err != nil {
+		t.Fatal(err)
+	}
+	cfg := baseConfig()
+	cfg.Stream, cfg.SubjectPrefix = "NARROW", "events"
+	_, err = newPublisher(t, n, cfg).EnsureStream(ctx)
+	if err == nil || !strings.Contains(err.Error(), `do not capture "events.>"`) {
+		t.Fatalf("mismatched stream accepted: %v", err)
+	}
+}
+
+func TestDedupAndHeaders(t *testing.T) {
+	n := testenv.StartNATS(t)
+	p := newPublisher(t, n, baseConfig())
+	if _, err := p.EnsureStream(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	ev := event("id-1", "order", "Created")
+	ev.Headers = []decoder.Header{{Key: "traceparent", Value: "00-x"}}
+	for _, err := range publishAll(t, p, ev, event("id-2", "order", "Paid")) {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	// A replay of both (a new session after a restart) is absorbed.
+	for _, err := range publishAll(t, p, ev, event("id-2", "order", "Paid"), event("id-3", "order", "Shipped")) {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if st := p.Stats(); st.Published != 3 || st.Duplicates != 2 {
+		t.Fatalf("stats %+v, want 3 published and 2 duplicates", st)
+	}
+	_, js := n.Connect(t)
+	msgs := testenv.ReadStream(t, js, "OUTBOX", true)
+	if len(msgs) != 3 {
+		t.Fatalf("%d messages stored", len(msgs))
+	}
+	h := msgs[0].Header
+	if h["traceparent"][0] != "00-x" || h.Get(sink.HeaderCommitLSN) != "0/16B3748" ||
+		h.Get(sink.HeaderCommitTime) != "1970-01-01T00:00:01.000000005Z" || h.Get(sink.HeaderTxIndex) != "0" {
+		t.Fatalf("headers %v", h)
+	}
+}
+
+// TestOrderGuardRefusesAfterALostMessage: when one message of a pipeline is
+// not stored, every later one is refused, so the stream never has a gap.
+// The "lost" message is one whose subject no stream captures.
+func TestOrderGuardRefusesAfterALostMessage(t *testing.T) {
+	for _, guard := range []bool{true, false} {
+		n := testenv.StartNATS(t)
+		cfg := baseConfig()
+		cfg.OrderGuard = guard
+		p := newPublisher(t, n, cfg)
+		_, js := n.Connect(t)
+		if _, err := js.CreateStream(context.Background(), jetstream.StreamConfig{Name: "OUTBOX", Subjects: []string{"outbox.ok.>"}}); err != nil {
+			t.Fatal(err)
+		}
+		lost := event("id-2", "lost", "E")
+		errs := publishAll(t, p, event("id-1", "ok", "E"), lost, event("id-3", "ok", "E"), event("id-4", "ok", "E"))
+		if errs[0] != nil || errs[1] == nil {
+			t.Fatalf("guard=%v: errs %v", guard, errs)
+		}
+		stored := testenv.ReadStream(t, js, "OUTBOX", false)
+		if guard && (len(stored) != 1 || errs[2] == nil || errs[3] == nil) {
+			t.Fatalf("guard on: %d stored, errs %v; want only id-1 stored and the rest refused", len(stored), errs)
+		}
+		if !guard && len(stored) != 3 {
+			t.Fatalf("guard off: %d stored (the gap this guard prevents did not happen?)", len(stored))
+		}
+	}
+}
+
+func TestTooLargeIsPermanent(t *testing.T) {
+	n := testenv.StartNATS(t, testenv.WithMaxPayload(4096))
+	p := newPublisher(t, n, baseConfig())
+	if _, err := p.EnsureStream(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	ev := event("big", "order", "E")
+	ev.Payload = make([]byte, 8000)
+	err := p.Open().Publish(ev, func(error) { t.Error("done called for an unsent message") })
+	var pe *sink.PermanentError
+	if !errors.As(err, &pe) || !strings.Contains(err.Error(), "max_payload") {
+		t.Fatalf("got %v", err)
+	}
+
+	// The stream's own max_msg_size is reported by the server.
+	_, js := n.Connect(t)
+	if _, err := js.CreateStream(context.Background(), jetstream.StreamConfig{Name: "SMALL", Subjects: []string{"small.>"}, MaxMsgSize: 1000}); err != nil {
+		t.Fatal(err)
+	}
+	cfg := baseConfig()
+	cfg.Stream, cfg.SubjectPrefix = "SMALL", "small"
+	ev = event("mid", "order", "E")
+	ev.Subject, ev.Payload = "small.order.E", make([]byte, 2000)
+	errs := publishAll(t, newPublisher(t, n, cfg), ev)
+	if !errors.As(errs[0], &pe) || !strings.Contains(errs[0].Error(), "max_msg_size") {
+		t.Fatalf("got %v", errs[0])
+	}
+}
+
+func TestCaptures(t *testing.T) {
+	for _, c := range []struct {
+		filters []string
+		pattern string
+		want    bool
+	}{
+		{[]string{"outbox.>"}, "outbox.>", true},
+		{[]string{">"}, "outbox.>", true},
+		{[]string{"*.>"}, "outbox.>", true},
+		{[]string{"other.>", "outbox.>"}, "outbox.>", true},
+		{[]string{"outbox.*"}, "outbox.>", false},
+		{[]string{"outbox.*.*"}, "outbox.>", false},
+		{[]string{"outbox"}, "outbox.>", false},
+		{[]string{"outbox.order.>"}, "outbox.>", false},
+		{[]string{"acme.outbox.>"}, "acme.outbox.>", true},
+		{[]string{"acme.*.>"}, "acme.outbox.>", true},
+		{[]string{"*"}, "outbox.>", false},
+	} {
+		if got := sink.Captures(c.filters, c.pattern); got != c.want {
+			t.Errorf("Captures(%q, %q) = %v, want %v", c.filters, c.pattern, got, c.want)
+		}
+	}
+}
