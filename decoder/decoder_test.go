@@ -13,9 +13,9 @@ import (
 // pgoutput v1 message builders (see the protocol docs, "Logical Replication
 // Message Formats").
 
-func u16(b []byte, v uint16) []byte { return binary.BigEndian.AppendUint16(b, v) }
-func u32(b []byte, v uint32) []byte { return binary.BigEndian.AppendUint32(b, v) }
-func u64(b []byte, v uint64) []byte { return binary.BigEndian.AppendUint64(b, v) }
+func u16(b []byte, v uint16) []byte  { return binary.BigEndian.AppendUint16(b, v) }
+func u32(b []byte, v uint32) []byte  { return binary.BigEndian.AppendUint32(b, v) }
+func u64(b []byte, v uint64) []byte  { return binary.BigEndian.AppendUint64(b, v) }
 func cstr(b []byte, s string) []byte { return append(append(b, s...), 0) }
 
 var pgEpoch = time.Date(2000, 1, 1, 0, 0, 0, 0, time.UTC)

@@ -71,7 +71,7 @@ func TestKillLoop(t *testing.T) {
 	t.Logf("kill loop: %d kills, seed %d", kills, seed)
 	var count uint64
 	for i := 0; i < kills; i++ {
-		count = f.progress(count, time.Minute) // it forwarded something since the last start
+		count = f.progress(count, time.Minute)                      // it forwarded something since the last start
 		time.Sleep(time.Duration(rng.Intn(400)) * time.Millisecond) // a random moment, not synchronisation
 		p.kill()
 		p = f.start()
