@@ -197,6 +197,17 @@ func (o *oracle) endLSNOf(id string) pglogrepl.LSN {
 	return 0
 }
 
+// lastCommitEnd returns the end LSN of the newest committed transaction.
+func (o *oracle) lastCommitEnd() pglogrepl.LSN {
+	o.f.t.Helper()
+	var lsn string
+	must(o.f.t, o.f.conn().QueryRow(ctxT(o.f.t, 5*time.Minute),
+		"SELECT max(lsn)::text FROM pg_logical_slot_peek_changes('oracle', NULL, NULL) WHERE data LIKE 'COMMIT%'").Scan(&lsn))
+	l, err := pglogrepl.ParseLSN(lsn)
+	must(o.f.t, err)
+	return l
+}
+
 // stoppedLine returns the fields of jetbox's final "stopped" log line.
 func stoppedLine(t *testing.T, log string) map[string]any {
 	t.Helper()
