@@ -78,3 +78,32 @@ func TestMillionRowTransaction(t *testing.T) {
 	}
 	p.stop()
 }
+
+// BenchmarkCatchUp measures a catch-up: jetbox starts with a backlog of rows
+// (in transactions of 100) already in the WAL and forwards them all; it
+// reports events/s from start-up to the last PubAck and jetbox's peak RSS.
+// Run: go test ./cmd/jetbox -run '^$' -bench CatchUp -benchtime 1x
+func BenchmarkCatchUp(b *testing.B) {
+	rows := envInt("JETBOX_BENCH_ROWS", 200_000)
+	for i := 0; i < b.N; i++ {
+		b.StopTimer()
+		f := newFixture(b)
+		p := f.start("JETBOX_LOG_LEVEL=info")
+		f.waitStreaming(p)
+		p.stop()
+		f.pg.Exec(b, `DO $$ BEGIN FOR i IN 1..`+fmt.Sprint(rows/100)+` LOOP
+			INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+			SELECT 'order', 'o-' || g, 'OrderCreated', jsonb_build_object('n', g, 'pad', repeat('x', 64)) FROM generate_series(1, 100) g;
+			COMMIT; END LOOP; END $$`)
+		b.StartTimer()
+		began := time.Now()
+		p = f.start("JETBOX_LOG_LEVEL=info")
+		f.waitCount(rows, 10*time.Minute)
+		took := time.Since(began)
+		b.StopTimer()
+		rss := p.peakRSS()
+		p.stop()
+		b.ReportMetric(float64(rows)/took.Seconds(), "events/s")
+		b.ReportMetric(float64(rss)/(1<<20), "peakRSS-MiB")
+	}
+}

@@ -197,7 +197,7 @@ func TestCommitOrder(t *testing.T) {
 	_ = msgs
 }
 
-func must(t *testing.T, err error) {
+func must(t testing.TB, err error) {
 	t.Helper()
 	if err != nil {
 		t.Fatal(err)

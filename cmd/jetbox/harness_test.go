@@ -55,7 +55,7 @@ const outboxDDL = `CREATE TABLE public.outbox (
 
 // fixture is one Postgres, one NATS server and the outbox table.
 type fixture struct {
-	t      *testing.T
+	t      testing.TB
 	pg     *testenv.Postgres
 	nats   *testenv.NATS
 	js     jetstream.JetStream
@@ -80,7 +80,7 @@ func withNATS(o ...testenv.NATSOption) fixtureOption {
 }
 func withDDL(ddl string) fixtureOption { return func(c *fixtureConfig) { c.ddl = ddl } }
 
-func newFixture(t *testing.T, opts ...fixtureOption) *fixture {
+func newFixture(t testing.TB, opts ...fixtureOption) *fixture {
 	t.Helper()
 	cfg := fixtureConfig{ddl: outboxDDL}
 	for _, o := range opts {
@@ -99,7 +99,7 @@ func newFixture(t *testing.T, opts ...fixtureOption) *fixture {
 
 // proc is a jetbox subprocess.
 type proc struct {
-	t    *testing.T
+	t    testing.TB
 	cmd  *exec.Cmd
 	log  string
 	done chan struct{}
@@ -309,7 +309,7 @@ func (f *fixture) assertStream(want []string) []testenv.StreamMsg {
 	return got
 }
 
-func assertIDs(t *testing.T, got []testenv.StreamMsg, want []string) {
+func assertIDs(t testing.TB, got []testenv.StreamMsg, want []string) {
 	t.Helper()
 	seen := make(map[string]int, len(got))
 	for i, m := range got {

@@ -209,7 +209,7 @@ func (o *oracle) lastCommitEnd() pglogrepl.LSN {
 }
 
 // stoppedLine returns the fields of jetbox's final "stopped" log line.
-func stoppedLine(t *testing.T, log string) map[string]any {
+func stoppedLine(t testing.TB, log string) map[string]any {
 	t.Helper()
 	lines := strings.Split(strings.TrimSpace(log), "\n")
 	for i := len(lines) - 1; i >= 0; i-- {
