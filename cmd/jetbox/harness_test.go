@@ -32,7 +32,11 @@ func TestMain(m *testing.M) {
 		os.Exit(1)
 	}
 	jetboxBin = filepath.Join(dir, "jetbox")
-	build := exec.Command("go", "build", "-o", jetboxBin, ".")
+	args := []string{"build", "-o", jetboxBin}
+	if raceEnabled {
+		args = append(args, "-race")
+	}
+	build := exec.Command("go", append(args, ".")...)
 	build.Stdout, build.Stderr = os.Stderr, os.Stderr
 	if err := build.Run(); err != nil {
 		fmt.Fprintln(os.Stderr, "build jetbox:", err)
