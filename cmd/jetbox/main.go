@@ -1,6 +1,7 @@
 // Command jetbox forwards a PostgreSQL transactional outbox to NATS JetStream.
 //
 //	jetbox run       stream outbox inserts from the WAL to JetStream
+//	jetbox demo      see it work on a throwaway Postgres and an embedded NATS
 //	jetbox version   print version information
 package main
 
@@ -31,6 +32,7 @@ var (
 
 type cli struct {
 	Run     RunFlags   `cmd:"" help:"Forward outbox inserts from the WAL to JetStream."`
+	Demo    demoCmd    `cmd:"" help:"See it work: a throwaway Postgres and an embedded NATS, the forwarder, sample orders, live."`
 	Version versionCmd `cmd:"" help:"Print version, commit and Go version."`
 }
 
@@ -65,6 +67,10 @@ func realMain(args []string, stdout, stderr io.Writer) int {
 	case "version":
 		fmt.Fprintf(stdout, "jetbox %s (commit %s, %s)\n", version, commit, runtime.Version())
 		return exitOK
+	case "demo":
+		ctx, stop := signalContext()
+		defer stop()
+		return c.Demo.run(ctx, stdout, stderr)
 	case "run":
 		cfg, err := c.Run.Config()
 		if err != nil {

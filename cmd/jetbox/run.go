@@ -177,7 +177,9 @@ func connectNATS(cfg Config, log zerolog.Logger) (*nats.Conn, error) {
 		nats.ReconnectBufSize(-1), // publishing while disconnected fails at once
 		nats.ReconnectWait(500 * time.Millisecond),
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
-			nlog.Warn().Err(err).Msg("disconnected from NATS")
+			if err != nil { // nil: our own Close
+				nlog.Warn().Err(err).Msg("disconnected from NATS")
+			}
 		}),
 		nats.ReconnectHandler(func(c *nats.Conn) {
 			nlog.Info().Str("server", c.ConnectedUrlRedacted()).Msg("reconnected to NATS")

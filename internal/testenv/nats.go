@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jetbox-dev/jetbox/internal/natsembed"
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -16,17 +17,17 @@ import (
 // stopped and started again on the same port and store.
 type NATS struct {
 	t    testing.TB
-	opts server.Options
+	opts natsembed.Options
 	srv  *server.Server
 	// URL is the client URL, stable across restarts.
 	URL string
 }
 
 // NATSOption tunes the server before it starts.
-type NATSOption func(*server.Options)
+type NATSOption func(*natsembed.Options)
 
 // WithMaxPayload sets the server's max_payload.
-func WithMaxPayload(n int32) NATSOption { return func(o *server.Options) { o.MaxPayload = n } }
+func WithMaxPayload(n int32) NATSOption { return func(o *natsembed.Options) { o.MaxPayload = n } }
 
 // StartNATS starts a server for the test; cleanup shuts it down.
 func StartNATS(t testing.TB, opts ...NATSOption) *NATS {
@@ -35,10 +36,7 @@ func StartNATS(t testing.TB, opts ...NATSOption) *NATS {
 	if err != nil {
 		t.Fatal(err)
 	}
-	n := &NATS{t: t, opts: server.Options{
-		Host: "127.0.0.1", Port: FreePort(t), JetStream: true, StoreDir: store,
-		NoLog: true, NoSigs: true, MaxControlLine: 4096,
-	}}
+	n := &NATS{t: t, opts: natsembed.Options{Port: FreePort(t), StoreDir: store}}
 	for _, o := range opts {
 		o(&n.opts)
 	}
@@ -51,14 +49,9 @@ func StartNATS(t testing.TB, opts ...NATSOption) *NATS {
 // Start starts the server (again) and waits until it serves clients.
 func (n *NATS) Start() {
 	n.t.Helper()
-	opts := n.opts // the server keeps and mutates its options
-	srv, err := server.NewServer(&opts)
+	srv, err := natsembed.Start(n.opts)
 	if err != nil {
-		n.t.Fatalf("nats server: %v", err)
-	}
-	srv.Start()
-	if !srv.ReadyForConnections(30 * time.Second) {
-		n.t.Fatal("nats server not ready after 30s")
+		n.t.Fatal(err)
 	}
 	n.srv = srv
 }
@@ -68,8 +61,7 @@ func (n *NATS) Stop() {
 	if n.srv == nil {
 		return
 	}
-	n.srv.Shutdown()
-	n.srv.WaitForShutdown()
+	natsembed.Stop(n.srv)
 	n.srv = nil
 }
 

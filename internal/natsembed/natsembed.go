@@ -1,0 +1,54 @@
+// Package natsembed runs a NATS server with JetStream inside the jetbox
+// process (github.com/nats-io/nats-server/v2), for the demo and for tests.
+package natsembed
+
+import (
+	"fmt"
+	"net"
+	"strconv"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+)
+
+// Options configure an embedded server.
+type Options struct {
+	Host       string // default 127.0.0.1
+	Port       int    // 0: a free port
+	StoreDir   string // JetStream file store
+	MaxPayload int32  // 0: the server default (1 MiB)
+}
+
+// Start starts a server and waits until it serves clients.
+func Start(o Options) (*server.Server, error) {
+	if o.Host == "" {
+		o.Host = "127.0.0.1"
+	}
+	if o.Port == 0 {
+		l, err := net.Listen("tcp", net.JoinHostPort(o.Host, "0"))
+		if err != nil {
+			return nil, err
+		}
+		o.Port = l.Addr().(*net.TCPAddr).Port
+		l.Close()
+	}
+	srv, err := server.NewServer(&server.Options{
+		Host: o.Host, Port: o.Port, JetStream: true, StoreDir: o.StoreDir, MaxPayload: o.MaxPayload,
+		NoLog: true, NoSigs: true, MaxControlLine: 4096,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("nats server: %w", err)
+	}
+	srv.Start()
+	if !srv.ReadyForConnections(30 * time.Second) {
+		srv.Shutdown()
+		return nil, fmt.Errorf("nats server on %s not ready after 30s", net.JoinHostPort(o.Host, strconv.Itoa(o.Port)))
+	}
+	return srv, nil
+}
+
+// Stop shuts the server down and waits until it is gone.
+func Stop(srv *server.Server) {
+	srv.Shutdown()
+	srv.WaitForShutdown()
+}
