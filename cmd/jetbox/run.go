@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/cenkalti/backoff/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/jetbox-dev/jetbox/replication"
 	"github.com/jetbox-dev/jetbox/sink"
@@ -134,7 +135,13 @@ func preflightOnce(ctx context.Context, cfg Config, log zerolog.Logger) (*nats.C
 				pgErrs = append(pgErrs, fmt.Errorf("postgres: %s", p))
 			}
 		case err != nil:
-			pgErrs = append(pgErrs, unreachableError{fmt.Errorf("postgres: %w; fix: check --postgres-url and that Postgres is up", err)})
+			e := fmt.Errorf("postgres: %w; fix: check --postgres-url (host, port, user, password, database) and that Postgres is up", err)
+			var pgErr *pgconn.PgError
+			if errors.As(err, &pgErr) { // the server answered: wrong password, no such database...
+				pgErrs = append(pgErrs, e)
+			} else {
+				pgErrs = append(pgErrs, unreachableError{e})
+			}
 		}
 	}()
 	go func() {

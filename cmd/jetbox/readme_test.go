@@ -1,0 +1,36 @@
+package main
+
+import (
+	"os"
+	"reflect"
+	"strings"
+	"testing"
+)
+
+// TestREADMEConfigTable keeps the README's configuration table complete:
+// every flag of `jetbox run` has a row with its env variable and default.
+func TestREADMEConfigTable(t *testing.T) {
+	readme, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	rt := reflect.TypeOf(RunFlags{})
+	for i := 0; i < rt.NumField(); i++ {
+		f := rt.Field(i)
+		name, env, def := f.Tag.Get("name"), f.Tag.Get("env"), f.Tag.Get("default")
+		if env != envName(name) {
+			t.Errorf("flag --%s has env %s, want %s", name, env, envName(name))
+		}
+		row := "| `" + env + "` | `--" + name + "` | "
+		idx := strings.Index(string(readme), row)
+		if idx < 0 {
+			t.Errorf("README lacks a configuration row starting %q", row)
+			continue
+		}
+		rest := string(readme)[idx+len(row):]
+		cell := strings.TrimSpace(rest[:strings.Index(rest, "|")])
+		if def != "" && cell != "`"+def+"`" {
+			t.Errorf("README default for --%s is %s, code says %q", name, cell, def)
+		}
+	}
+}
