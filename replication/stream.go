@@ -178,19 +178,26 @@ func isSlotInUse(err error) bool {
 
 // session is one replication connection from START_REPLICATION to its end.
 func (s *Streamer) session(ctx context.Context) (err error) {
-	conn, err := pgconn.ConnectConfig(ctx, s.connCfg)
+	// Bound the whole set-up: a blackholed network would hang it forever.
+	sctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
+	defer cancel()
+	conn, err := pgconn.ConnectConfig(sctx, s.connCfg)
 	if err != nil {
 		return fmt.Errorf("connect for replication: %w", err)
 	}
-	defer conn.Close(context.WithoutCancel(ctx))
+	defer func() {
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+		defer cancel()
+		conn.Close(cctx)
+	}()
 
-	start, err := slotPosition(ctx, conn, s.cfg.Slot)
+	start, err := slotPosition(sctx, conn, s.cfg.Slot)
 	if err != nil {
 		return err
 	}
 	args := []string{"proto_version '1'", "publication_names " + quoteLiteral(quoteIdent(s.cfg.Publication))}
 	// Start at 0/0: the server resumes from the slot's confirmed_flush_lsn.
-	if err := pglogrepl.StartReplication(ctx, conn, quoteIdent(s.cfg.Slot), 0,
+	if err := pglogrepl.StartReplication(sctx, conn, quoteIdent(s.cfg.Slot), 0,
 		pglogrepl.StartReplicationOptions{Mode: pglogrepl.LogicalReplication, PluginArgs: args}); err != nil {
 		return fmt.Errorf("start replication on slot %q: %w", s.cfg.Slot, err)
 	}

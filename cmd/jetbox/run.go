@@ -183,6 +183,9 @@ func connectNATS(cfg Config, log zerolog.Logger) (*nats.Conn, error) {
 		nats.MaxReconnects(-1),    // never reach CLOSED: pending acks would hang
 		nats.ReconnectBufSize(-1), // publishing while disconnected fails at once
 		nats.ReconnectWait(500 * time.Millisecond),
+		// Notice a dead (half-open) connection in ~30s, not the default ~4min.
+		nats.PingInterval(10 * time.Second),
+		nats.MaxPingsOutstanding(3),
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
 			if err != nil { // nil: our own Close
 				nlog.Warn().Err(err).Msg("disconnected from NATS")

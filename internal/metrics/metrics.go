@@ -1,0 +1,85 @@
+// Package metrics defines jetbox's Prometheus metrics. Components take a
+// *Metrics (a nil one is replaced by a fresh, unserved set), and cmd/jetbox
+// serves the registry on /metrics.
+package metrics
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+)
+
+// States of the forwarder, exported one-hot as jetbox_state{state=...}.
+const (
+	StateStarting     = "starting"
+	StateStreaming    = "streaming"
+	StateStandby      = "standby"      // another instance holds the slot
+	StateReconnecting = "reconnecting" // between replication sessions
+	StateRepublishing = "republishing" // publishes failed; retrying in order
+	StateStopped      = "stopped"
+)
+
+var allStates = []string{StateStarting, StateStreaming, StateStandby, StateReconnecting, StateRepublishing, StateStopped}
+
+// Metrics holds every collector.
+type Metrics struct {
+	Registry *prometheus.Registry
+
+	Published     prometheus.Counter
+	Duplicates    prometheus.Counter
+	PublishErrors prometheus.Counter
+	Retries       prometheus.Counter
+	InFlight      prometheus.Gauge
+	ConfirmedLSN  prometheus.Gauge
+	ServerLSN     prometheus.Gauge
+	LagBytes      prometheus.Gauge
+	RetainedWAL   prometheus.Gauge
+	RetainedOver  prometheus.Gauge
+	Latency       prometheus.Histogram
+	Transactions  prometheus.Counter
+	Reconnects    *prometheus.CounterVec
+	Heartbeats    prometheus.Counter
+	State         *prometheus.GaugeVec
+}
+
+// New registers jetbox's metrics (and the Go and process collectors) on a new registry.
+func New() *Metrics {
+	r := prometheus.NewRegistry()
+	m := &Metrics{
+		Registry:      r,
+		Published:     prometheus.NewCounter(prometheus.CounterOpts{Name: "jetbox_events_published_total", Help: "Events stored by JetStream (new messages)."}),
+		Duplicates:    prometheus.NewCounter(prometheus.CounterOpts{Name: "jetbox_events_duplicate_total", Help: "Events acked as Duplicate: already in the stream (replays), counted as success."}),
+		PublishErrors: prometheus.NewCounter(prometheus.CounterOpts{Name: "jetbox_publish_errors_total", Help: "Publishes that failed or whose outcome is unknown; each is republished."}),
+		Retries:       prometheus.NewCounter(prometheus.CounterOpts{Name: "jetbox_publish_retries_total", Help: "Events republished after a failure."}),
+		InFlight:      prometheus.NewGauge(prometheus.GaugeOpts{Name: "jetbox_inflight_events", Help: "Events published and not yet acked (or waiting to be republished)."}),
+		ConfirmedLSN:  prometheus.NewGauge(prometheus.GaugeOpts{Name: "jetbox_confirmed_lsn", Help: "Last LSN confirmed to Postgres, as a number."}),
+		ServerLSN:     prometheus.NewGauge(prometheus.GaugeOpts{Name: "jetbox_server_wal_lsn", Help: "The server's current WAL LSN, as a number."}),
+		LagBytes:      prometheus.NewGauge(prometheus.GaugeOpts{Name: "jetbox_replication_lag_bytes", Help: "Server WAL end minus the slot's confirmed LSN."}),
+		RetainedWAL:   prometheus.NewGauge(prometheus.GaugeOpts{Name: "jetbox_slot_retained_wal_bytes", Help: "WAL the slot makes Postgres keep (current LSN minus restart_lsn)."}),
+		RetainedOver:  prometheus.NewGauge(prometheus.GaugeOpts{Name: "jetbox_slot_retained_wal_over_threshold", Help: "1 while retained WAL exceeds --max-retained-wal."}),
+		Latency: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "jetbox_end_to_end_latency_seconds",
+			Help:    "Commit time (Postgres clock) to PubAck (jetbox clock).",
+			Buckets: []float64{.0005, .001, .002, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300}}),
+		Transactions: prometheus.NewCounter(prometheus.CounterOpts{Name: "jetbox_transactions_total", Help: "Transactions decoded (with or without outbox rows)."}),
+		Reconnects:   prometheus.NewCounterVec(prometheus.CounterOpts{Name: "jetbox_reconnects_total", Help: "Reconnections, per side."}, []string{"side"}),
+		Heartbeats:   prometheus.NewCounter(prometheus.CounterOpts{Name: "jetbox_heartbeats_total", Help: "Heartbeat messages written to the WAL."}),
+		State:        prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "jetbox_state", Help: "1 for the forwarder's current state."}, []string{"state"}),
+	}
+	r.MustRegister(m.Published, m.Duplicates, m.PublishErrors, m.Retries, m.InFlight, m.ConfirmedLSN, m.ServerLSN,
+		m.LagBytes, m.RetainedWAL, m.RetainedOver, m.Latency, m.Transactions, m.Reconnects, m.Heartbeats, m.State,
+		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	m.Reconnects.WithLabelValues("postgres")
+	m.Reconnects.WithLabelValues("nats")
+	m.SetState(StateStarting)
+	return m
+}
+
+// SetState makes state the only one with value 1.
+func (m *Metrics) SetState(state string) {
+	for _, s := range allStates {
+		v := 0.0
+		if s == state {
+			v = 1
+		}
+		m.State.WithLabelValues(s).Set(v)
+	}
+}
