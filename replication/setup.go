@@ -4,201 +4,303 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jetbox-dev/jetbox/decoder"
+	"github.com/jetbox-dev/jetbox/internal/check"
 	"github.com/rs/zerolog"
 )
 
-// Problem is one thing wrong with the Postgres side, with its fix.
-type Problem struct {
-	What string
-	Fix  string
-}
+// ErrUnreachable wraps a failure to reach Postgres at all (as opposed to the
+// server refusing us): worth retrying at start-up.
+var ErrUnreachable = errors.New("postgres unreachable")
 
-func (p Problem) String() string { return p.What + "; fix: " + p.Fix }
-
-// ProblemsError carries every set-up problem found in one pass.
-type ProblemsError struct{ Problems []Problem }
-
-func (e *ProblemsError) Error() string {
-	parts := make([]string, len(e.Problems))
-	for i, p := range e.Problems {
-		parts[i] = p.String()
+// Check inspects the Postgres side without changing anything and returns
+// every finding at once: settings, role, table, publication and slot.
+// Missing publication and slot are Create findings (Ensure makes them).
+// The error is non-nil only when no check could run (cannot connect).
+func Check(ctx context.Context, connString string, cfg Config) ([]check.Finding, error) {
+	conn, err := connect(ctx, connString)
+	if err != nil {
+		return nil, err
 	}
-	return strings.Join(parts, "\n")
+	defer conn.Close(context.WithoutCancel(ctx))
+	var l check.List
+	c := &checker{ctx: ctx, conn: conn, cfg: cfg, l: &l}
+	c.server()
+	tableOK := c.table()
+	pubExists := c.publication(tableOK)
+	c.slot(pubExists)
+	return l, nil
 }
 
-// Setup checks the Postgres side and creates what is missing: the publication
-// (FOR TABLE <table> WITH (publish = 'insert', publish_via_partition_root)),
-// then the permanent pgoutput slot. It reports every problem at once as a
-// *ProblemsError. A connection failure is returned as such (wrapped), so the
-// caller can retry it.
-func Setup(ctx context.Context, connString string, cfg Config, log zerolog.Logger) error {
+func connect(ctx context.Context, connString string) (*pgx.Conn, error) {
 	pcfg, err := pgx.ParseConfig(connString)
 	if err != nil {
-		return &ProblemsError{Problems: []Problem{{What: "postgres URL: " + err.Error(), Fix: "pass a libpq URL or DSN, e.g. postgres://user:pass@host:5432/db?sslmode=disable"}}}
+		return nil, fmt.Errorf("parse postgres URL: %w", err)
 	}
 	conn, err := pgx.ConnectConfig(ctx, pcfg)
 	if err != nil {
-		return fmt.Errorf("connect to postgres: %w", err)
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) { // the server answered: a wrong password, no such database...
+			return nil, fmt.Errorf("connect to postgres: %w", err)
+		}
+		return nil, fmt.Errorf("%w: %w", ErrUnreachable, err)
 	}
-	defer conn.Close(context.WithoutCancel(ctx))
-
-	var probs []Problem
-	add := func(what, fix string) { probs = append(probs, Problem{What: what, Fix: fix}) }
-
-	var walLevel string
-	if err := conn.QueryRow(ctx, "SHOW wal_level").Scan(&walLevel); err != nil {
-		return fmt.Errorf("read wal_level: %w", err)
-	}
-	if walLevel != "logical" {
-		add(fmt.Sprintf("wal_level is %q", walLevel), "ALTER SYSTEM SET wal_level = logical; then restart Postgres")
-	}
-
-	tableOK := checkTable(ctx, conn, cfg, add)
-	pubOK := false
-	if tableOK {
-		pubOK = ensurePublication(ctx, conn, cfg, add, log)
-	}
-	if pubOK && walLevel == "logical" {
-		ensureSlot(ctx, conn, cfg, add, log)
-	}
-	if len(probs) > 0 {
-		return &ProblemsError{Problems: probs}
-	}
-	return nil
+	return conn, nil
 }
 
-func checkTable(ctx context.Context, conn *pgx.Conn, cfg Config, add func(string, string)) bool {
+type checker struct {
+	ctx  context.Context
+	conn *pgx.Conn
+	cfg  Config
+	l    *check.List
+	// facts gathered along the way
+	superuser, replication, inRecovery bool
+	walLogical, ownsTable              bool
+}
+
+func (c *checker) fail(name string, err error) {
+	c.l.Add(check.Error, name, "query failed: "+err.Error(), "check the role may read the system catalogs")
+}
+
+func (c *checker) server() {
+	var version, walLevel, keep string
+	var slotsUsed, slotsMax, sendersUsed, sendersMax int
+	err := c.conn.QueryRow(c.ctx, `SELECT current_setting('server_version'), current_setting('wal_level'),
+		current_setting('max_slot_wal_keep_size'), pg_is_in_recovery(),
+		(SELECT count(*) FROM pg_replication_slots)::int, current_setting('max_replication_slots')::int,
+		(SELECT count(*) FROM pg_stat_replication)::int, current_setting('max_wal_senders')::int,
+		r.rolsuper, r.rolreplication
+		FROM pg_roles r WHERE r.rolname = current_user`).
+		Scan(&version, &walLevel, &keep, &c.inRecovery, &slotsUsed, &slotsMax, &sendersUsed, &sendersMax, &c.superuser, &c.replication)
+	if err != nil {
+		c.fail("postgres.server", err)
+		return
+	}
+	c.l.Add(check.Info, "postgres.version", "PostgreSQL "+version, "")
+	if c.inRecovery {
+		c.l.Add(check.Error, "postgres.primary", "the server is a standby (in recovery): jetbox needs the primary (slots, publications and heartbeats are written there)",
+			"point --postgres-url at the primary (the read-write endpoint)")
+	}
+	c.walLogical = walLevel == "logical"
+	if !c.walLogical {
+		c.l.Add(check.Error, "postgres.wal_level", fmt.Sprintf("wal_level is %q", walLevel), "ALTER SYSTEM SET wal_level = logical; then restart Postgres")
+	}
+	if slotsUsed >= slotsMax {
+		sev := check.Warning
+		if !c.slotExists() {
+			sev = check.Error
+		}
+		c.l.Add(sev, "postgres.max_replication_slots", fmt.Sprintf("all %d replication slots are in use", slotsMax),
+			"raise max_replication_slots (restart needed) or drop an unused slot")
+	} else {
+		c.l.Add(check.Info, "postgres.max_replication_slots", fmt.Sprintf("%d of %d replication slots in use", slotsUsed, slotsMax), "")
+	}
+	if sendersUsed >= sendersMax {
+		c.l.Add(check.Error, "postgres.max_wal_senders", fmt.Sprintf("all %d WAL senders are in use", sendersMax),
+			"raise max_wal_senders (restart needed; budget 2 per slot for restarts) or stop another consumer")
+	} else {
+		c.l.Add(check.Info, "postgres.max_wal_senders", fmt.Sprintf("%d of %d WAL senders in use", sendersUsed, sendersMax), "")
+	}
+	if !c.superuser && !c.replication {
+		c.l.Add(check.Error, "postgres.role", "the role has neither REPLICATION nor superuser", "ALTER ROLE "+pgx.Identifier{c.user()}.Sanitize()+" REPLICATION")
+	}
+	if keep == "-1" {
+		c.l.Add(check.Info, "postgres.max_slot_wal_keep_size", "max_slot_wal_keep_size = -1: a slot is never invalidated, so a long jetbox outage retains WAL until the disk fills",
+			"watch jetbox_slot_retained_wal_bytes, or set max_slot_wal_keep_size (then a long outage invalidates the slot: rows must be re-published from the table)")
+	} else {
+		c.l.Add(check.Info, "postgres.max_slot_wal_keep_size", "max_slot_wal_keep_size = "+keep+": the slot is invalidated if it retains more", "")
+	}
+}
+
+func (c *checker) user() string {
+	var u string
+	_ = c.conn.QueryRow(c.ctx, "SELECT current_user").Scan(&u)
+	return u
+}
+
+func (c *checker) slotExists() bool {
+	var n int
+	_ = c.conn.QueryRow(c.ctx, "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1", c.cfg.Slot).Scan(&n)
+	return n > 0
+}
+
+func (c *checker) table() bool {
+	name := c.cfg.qualifiedTable()
 	var persistence, kind string
-	err := conn.QueryRow(ctx, `SELECT c.relpersistence::text, c.relkind::text FROM pg_class c
-		JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = $1 AND c.relname = $2`,
-		cfg.Decoder.Schema, cfg.Decoder.Table).Scan(&persistence, &kind)
+	var owner bool
+	err := c.conn.QueryRow(c.ctx, `SELECT c.relpersistence::text, c.relkind::text, pg_has_role(c.relowner, 'USAGE')
+		FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = $1 AND c.relname = $2`,
+		c.cfg.Decoder.Schema, c.cfg.Decoder.Table).Scan(&persistence, &kind, &owner)
 	if errors.Is(err, pgx.ErrNoRows) {
-		add(fmt.Sprintf("table %s does not exist", cfg.qualifiedTable()),
+		c.l.Add(check.Error, "postgres.table", fmt.Sprintf("table %s does not exist", name),
 			"create it (see the outbox DDL in the README) or set --table to the outbox table")
 		return false
 	}
 	if err != nil {
-		add("look up table "+cfg.qualifiedTable()+": "+err.Error(), "check the role may read the catalog and the table")
+		c.fail("postgres.table", err)
+		return false
+	}
+	if kind != "r" && kind != "p" {
+		c.l.Add(check.Error, "postgres.table", fmt.Sprintf("%s is not a table (relkind %q)", name, kind), "point --table at the outbox table")
 		return false
 	}
 	ok := true
 	if persistence != "p" {
-		add(fmt.Sprintf("table %s is unlogged or temporary: its rows never reach the WAL", cfg.qualifiedTable()),
-			"ALTER TABLE "+cfg.qualifiedTable()+" SET LOGGED")
+		c.l.Add(check.Error, "postgres.table", fmt.Sprintf("table %s is unlogged or temporary: its rows never reach the WAL", name), "ALTER TABLE "+c.cfg.quotedTable()+" SET LOGGED")
 		ok = false
 	}
-	if kind != "r" && kind != "p" {
-		add(fmt.Sprintf("%s is not a table (relkind %q)", cfg.qualifiedTable(), kind), "point --table at the outbox table")
-		return false
-	}
-	rows, err := conn.Query(ctx, `SELECT a.attname, CASE WHEN t.typtype = 'd' THEN t.typbasetype ELSE a.atttypid END
+	rows, err := c.conn.Query(c.ctx, `SELECT a.attname, CASE WHEN t.typtype = 'd' THEN t.typbasetype ELSE a.atttypid END
 		FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid
-		WHERE a.attrelid = $1::regclass AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum`, cfg.qualifiedTable())
+		WHERE a.attrelid = $1::regclass AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum`, c.cfg.quotedTable())
 	if err != nil {
-		add("read columns of "+cfg.qualifiedTable()+": "+err.Error(), "check the role may read the table")
+		c.fail("postgres.table", err)
 		return false
 	}
 	cols, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (decoder.TableColumn, error) {
-		var c decoder.TableColumn
-		return c, r.Scan(&c.Name, &c.TypeOID)
+		var col decoder.TableColumn
+		return col, r.Scan(&col.Name, &col.TypeOID)
 	})
 	if err != nil {
-		add("read columns of "+cfg.qualifiedTable()+": "+err.Error(), "check the role may read the table")
+		c.fail("postgres.table", err)
 		return false
 	}
-	_, problems := decoder.CheckColumns(cfg.Decoder.Columns, cols)
+	_, problems := decoder.CheckColumns(c.cfg.Decoder.Columns, cols)
 	for _, p := range problems {
-		add("table "+cfg.qualifiedTable()+": "+p, "alter the table to match the outbox DDL in the README, or set the --*-column flags to its column names")
+		c.l.Add(check.Error, "postgres.table", "table "+name+": "+p, "alter the table to match the outbox DDL in the README, or set the --*-column flags to its column names")
 		ok = false
 	}
+	if ok {
+		c.l.Add(check.Info, "postgres.table", "table "+name+" fits the outbox contract", "")
+	}
+	c.ownsTable = owner || c.superuser
 	return ok
 }
 
-func ensurePublication(ctx context.Context, conn *pgx.Conn, cfg Config, add func(string, string), log zerolog.Logger) bool {
+func (c *checker) publicationSQL() string {
+	return fmt.Sprintf("CREATE PUBLICATION %s FOR TABLE %s WITH (publish = 'insert', publish_via_partition_root = true)",
+		pgx.Identifier{c.cfg.Publication}.Sanitize(), c.cfg.quotedTable())
+}
+
+// publication reports whether the publication exists.
+func (c *checker) publication(tableOK bool) bool {
+	pub := pgx.Identifier{c.cfg.Publication}.Sanitize()
 	var insert bool
-	err := conn.QueryRow(ctx, "SELECT pubinsert FROM pg_publication WHERE pubname = $1", cfg.Publication).Scan(&insert)
+	err := c.conn.QueryRow(c.ctx, "SELECT pubinsert FROM pg_publication WHERE pubname = $1", c.cfg.Publication).Scan(&insert)
 	if errors.Is(err, pgx.ErrNoRows) {
-		sql := fmt.Sprintf("CREATE PUBLICATION %s FOR TABLE %s WITH (publish = 'insert', publish_via_partition_root = true)",
-			pgx.Identifier{cfg.Publication}.Sanitize(), cfg.quotedTable())
-		if _, err := conn.Exec(ctx, sql); err != nil {
-			add(fmt.Sprintf("create publication %q: %v", cfg.Publication, err),
-				"grant the role CREATE on the database and ownership of the table, or run as an administrator: "+sql)
-			return false
+		switch {
+		case !tableOK:
+		case c.ownsTable:
+			c.l.Add(check.Create, "postgres.publication", fmt.Sprintf("publication %q is missing: jetbox run creates it (%s)", c.cfg.Publication, c.publicationSQL()), "")
+		default:
+			c.l.Add(check.Error, "postgres.publication", fmt.Sprintf("publication %q is missing and this role cannot create it (it does not own the table)", c.cfg.Publication),
+				"run as an administrator: "+c.publicationSQL())
 		}
-		log.Info().Str("publication", cfg.Publication).Str("table", cfg.qualifiedTable()).Msg("created publication")
-		return true
-	}
-	if err != nil {
-		add("look up publication "+cfg.Publication+": "+err.Error(), "check the role may read pg_publication")
 		return false
 	}
-	ok := true
+	if err != nil {
+		c.fail("postgres.publication", err)
+		return false
+	}
 	if !insert {
-		add(fmt.Sprintf("publication %q does not publish inserts", cfg.Publication),
-			fmt.Sprintf("ALTER PUBLICATION %s SET (publish = 'insert')", pgx.Identifier{cfg.Publication}.Sanitize()))
-		ok = false
+		c.l.Add(check.Error, "postgres.publication", fmt.Sprintf("publication %q does not publish inserts", c.cfg.Publication),
+			fmt.Sprintf("ALTER PUBLICATION %s SET (publish = 'insert')", pub))
 	}
 	var n int
-	if err := conn.QueryRow(ctx, "SELECT count(*) FROM pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3",
-		cfg.Publication, cfg.Decoder.Schema, cfg.Decoder.Table).Scan(&n); err != nil {
-		add("read publication tables: "+err.Error(), "check the role may read pg_publication_tables")
-		return false
+	if err := c.conn.QueryRow(c.ctx, "SELECT count(*) FROM pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3",
+		c.cfg.Publication, c.cfg.Decoder.Schema, c.cfg.Decoder.Table).Scan(&n); err != nil {
+		c.fail("postgres.publication", err)
+		return true
 	}
 	if n == 0 {
-		add(fmt.Sprintf("publication %q does not contain %s", cfg.Publication, cfg.qualifiedTable()),
-			fmt.Sprintf("ALTER PUBLICATION %s ADD TABLE %s", pgx.Identifier{cfg.Publication}.Sanitize(), cfg.quotedTable()))
-		ok = false
+		c.l.Add(check.Error, "postgres.publication", fmt.Sprintf("publication %q does not contain %s", c.cfg.Publication, c.cfg.qualifiedTable()),
+			fmt.Sprintf("ALTER PUBLICATION %s ADD TABLE %s", pub, c.cfg.quotedTable()))
+	} else if insert {
+		c.l.Add(check.Info, "postgres.publication", fmt.Sprintf("publication %q publishes inserts of %s", c.cfg.Publication, c.cfg.qualifiedTable()), "")
 	}
-	return ok
+	return true
 }
 
-func ensureSlot(ctx context.Context, conn *pgx.Conn, cfg Config, add func(string, string), log zerolog.Logger) {
+func (c *checker) slot(pubExists bool) {
 	var (
-		plugin, slotType, walStatus string
-		db, current                 string
-		twoPhase                    bool
-		confirmed                   string
+		plugin, slotType, walStatus, db, current, confirmed string
+		twoPhase, active                                    bool
+		retained                                            int64
+		pid                                                 *int32
 	)
-	err := conn.QueryRow(ctx, `SELECT coalesce(plugin, ''), slot_type, coalesce(database, ''), current_database(),
-		coalesce(wal_status, ''), two_phase, coalesce(confirmed_flush_lsn::text, '0/0')
-		FROM pg_replication_slots WHERE slot_name = $1`, cfg.Slot).
-		Scan(&plugin, &slotType, &db, &current, &walStatus, &twoPhase, &confirmed)
-	if errors.Is(err, pgx.ErrNoRows) {
-		var lsn string
-		if err := conn.QueryRow(ctx, "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput', false)", cfg.Slot).Scan(&lsn); err != nil {
-			fix := "grant the role REPLICATION (ALTER ROLE ... REPLICATION) and check max_replication_slots has a free slot"
-			var pgErr *pgconn.PgError
-			if errors.As(err, &pgErr) && pgErr.Code == "53400" {
-				fix = "raise max_replication_slots (and restart Postgres) or drop an unused slot"
-			}
-			add(fmt.Sprintf("create replication slot %q: %v", cfg.Slot, err), fix)
-			return
+	err := c.conn.QueryRow(c.ctx, `SELECT coalesce(plugin, ''), slot_type, coalesce(database, ''), current_database(),
+		coalesce(wal_status, ''), two_phase, coalesce(confirmed_flush_lsn::text, '0/0'), active, active_pid,
+		coalesce(pg_wal_lsn_diff(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_receive_lsn() ELSE pg_current_wal_lsn() END, restart_lsn), 0)::bigint
+		FROM pg_replication_slots WHERE slot_name = $1`, c.cfg.Slot).
+		Scan(&plugin, &slotType, &db, &current, &walStatus, &twoPhase, &confirmed, &active, &pid, &retained)
+	drop := fmt.Sprintf("SELECT pg_drop_replication_slot('%s') (rows not yet forwarded are then lost: re-publish them from the table) or set --slot to another name", c.cfg.Slot)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		if c.walLogical && (c.superuser || c.replication) {
+			c.l.Add(check.Create, "postgres.slot", fmt.Sprintf("replication slot %q is missing: jetbox run creates it (pgoutput, permanent); outbox rows committed before that are not streamed", c.cfg.Slot), "")
 		}
-		log.Warn().Str("slot", cfg.Slot).Str("lsn", lsn).
-			Msg("created replication slot: outbox rows committed before this LSN are not streamed")
+		return
+	case err != nil:
+		c.fail("postgres.slot", err)
 		return
 	}
-	if err != nil {
-		add("look up slot "+cfg.Slot+": "+err.Error(), "check the role may read pg_replication_slots")
-		return
-	}
-	drop := fmt.Sprintf("SELECT pg_drop_replication_slot('%s') (rows not yet forwarded are then lost) or set --slot to another name", cfg.Slot)
 	switch {
 	case slotType != "logical" || plugin != "pgoutput":
-		add(fmt.Sprintf("slot %q is a %s slot with plugin %q, not a logical pgoutput slot", cfg.Slot, slotType, plugin), drop)
+		c.l.Add(check.Error, "postgres.slot", fmt.Sprintf("slot %q is a %s slot with plugin %q, not a logical pgoutput slot", c.cfg.Slot, slotType, plugin), drop)
 	case db != current:
-		add(fmt.Sprintf("slot %q belongs to database %q, not %q", cfg.Slot, db, current), "connect to database "+db+" or set --slot to another name")
+		c.l.Add(check.Error, "postgres.slot", fmt.Sprintf("slot %q belongs to database %q, not %q", c.cfg.Slot, db, current), "connect to database "+db+" or set --slot to another name")
 	case walStatus == "lost":
-		add(fmt.Sprintf("slot %q is invalidated (wal_status = lost): WAL it needed was removed, events were lost", cfg.Slot),
-			"re-publish the missing rows from the table, then "+drop)
+		c.l.Add(check.Error, "postgres.slot", fmt.Sprintf("slot %q is invalidated (wal_status = lost): Postgres removed WAL it still needed, so the outbox rows committed since its confirmed LSN %s can no longer be streamed", c.cfg.Slot, confirmed),
+			"follow the README runbook \"slot invalidated\": re-publish the rows committed since then from the table (same ids: dedup absorbs overlaps), then "+drop+" and restart jetbox")
 	case twoPhase:
-		add(fmt.Sprintf("slot %q has two_phase enabled: prepared transactions would be published before they commit", cfg.Slot), drop)
+		c.l.Add(check.Error, "postgres.slot", fmt.Sprintf("slot %q has two_phase enabled: prepared transactions would be published before they commit", c.cfg.Slot), drop)
 	default:
-		log.Info().Str("slot", cfg.Slot).Str("confirmed_lsn", confirmed).Msg("using existing replication slot")
+		holder := ""
+		if active && pid != nil {
+			holder = fmt.Sprintf(", held by walsender pid %d (another jetbox?)", *pid)
+		}
+		sev := check.Info
+		if c.cfg.MaxRetainedWAL > 0 && retained > c.cfg.MaxRetainedWAL {
+			sev = check.Warning
+		}
+		c.l.Add(sev, "postgres.slot", fmt.Sprintf("slot %q: pgoutput, confirmed to %s, retains %d bytes of WAL, wal_status %s%s", c.cfg.Slot, confirmed, retained, walStatus, holder), "")
 	}
+	if !pubExists {
+		c.l.Add(check.Warning, "postgres.publication", "the slot exists but the publication does not: rows committed between the two may be lost (Postgres 18 skips them silently)",
+			"create the publication, then compare the stream with the table for rows committed before it")
+	}
+}
+
+// Ensure creates what Check reported missing: the publication, then the
+// slot (in that order: the slot must not predate the publication).
+func Ensure(ctx context.Context, connString string, cfg Config, log zerolog.Logger) error {
+	conn, err := connect(ctx, connString)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	var n int
+	if err := conn.QueryRow(ctx, "SELECT count(*) FROM pg_publication WHERE pubname = $1", cfg.Publication).Scan(&n); err != nil {
+		return fmt.Errorf("look up publication %q: %w", cfg.Publication, err)
+	}
+	if n == 0 {
+		c := &checker{cfg: cfg}
+		if _, err := conn.Exec(ctx, c.publicationSQL()); err != nil {
+			return fmt.Errorf("create publication %q: %w", cfg.Publication, err)
+		}
+		log.Info().Str("publication", cfg.Publication).Str("table", cfg.qualifiedTable()).Msg("created publication")
+	}
+	if err := conn.QueryRow(ctx, "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1", cfg.Slot).Scan(&n); err != nil {
+		return fmt.Errorf("look up slot %q: %w", cfg.Slot, err)
+	}
+	if n == 0 {
+		var lsn string
+		if err := conn.QueryRow(ctx, "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput', false)", cfg.Slot).Scan(&lsn); err != nil {
+			return fmt.Errorf("create replication slot %q: %w", cfg.Slot, err)
+		}
+		log.Warn().Str("slot", cfg.Slot).Str("lsn", lsn).Msg("created replication slot: outbox rows committed before this LSN are not streamed")
+	}
+	return nil
 }

@@ -13,6 +13,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -24,6 +25,7 @@ import (
 	"github.com/jackc/pgx/v5/pgproto3"
 	"github.com/jetbox-dev/jetbox/checkpoint"
 	"github.com/jetbox-dev/jetbox/decoder"
+	"github.com/jetbox-dev/jetbox/internal/metrics"
 	"github.com/rs/zerolog"
 )
 
@@ -39,6 +41,12 @@ type Config struct {
 	MaxInFlightBytes int           // payload bytes published but not yet acked (0: no bound)
 	ShutdownTimeout  time.Duration // how long a stop waits for in-flight acks
 	MaxBackoff       time.Duration // longest wait between reconnects
+	StandbyRetry     time.Duration // how often a standby retries the slot (another instance holds it)
+
+	HeartbeatInterval time.Duration // 0: no heartbeats
+	MonitorInterval   time.Duration // how often to read the slot's lag and retained WAL
+	MaxRetainedWAL    int64         // warn above this many retained WAL bytes; 0: off
+	Metrics           *metrics.Metrics
 }
 
 func (c Config) qualifiedTable() string { return c.Decoder.Schema + "." + c.Decoder.Table }
@@ -63,11 +71,14 @@ type Session interface {
 
 // Streamer runs replication sessions, reconnecting with backoff.
 type Streamer struct {
-	cfg     Config
-	connCfg *pgconn.Config
-	sink    Sink
-	log     zerolog.Logger
-	sent    atomic.Uint64 // last LSN confirmed to Postgres
+	cfg        Config
+	connString string
+	connCfg    *pgconn.Config
+	sink       Sink
+	log        zerolog.Logger
+	sent       atomic.Uint64 // last LSN confirmed to Postgres
+	state      atomic.Value  // string, one of metrics.State*
+	mon        *monitor
 }
 
 // New returns a streamer for the database at connString.
@@ -95,12 +106,50 @@ func New(connString string, cfg Config, sink Sink, log zerolog.Logger) (*Streame
 	if cfg.MaxBackoff <= 0 {
 		cfg.MaxBackoff = 30 * time.Second
 	}
-	return &Streamer{cfg: cfg, connCfg: cc, sink: sink, log: log.With().Str("component", "replication").Str("slot", cfg.Slot).Logger()}, nil
+	if cfg.StandbyRetry <= 0 {
+		cfg.StandbyRetry = time.Second
+	}
+	if cfg.MonitorInterval <= 0 {
+		cfg.MonitorInterval = 5 * time.Second
+	}
+	if cfg.Metrics == nil {
+		cfg.Metrics = metrics.New()
+	}
+	if cc.ConnectTimeout == 0 {
+		cc.ConnectTimeout = cfg.Timeout
+	}
+	s := &Streamer{cfg: cfg, connString: connString, connCfg: cc, sink: sink,
+		log: log.With().Str("component", "replication").Str("slot", cfg.Slot).Logger()}
+	s.mon = &monitor{s: s}
+	s.setState(metrics.StateStarting)
+	return s, nil
 }
+
+func (s *Streamer) setState(state string) {
+	if old, _ := s.state.Load().(string); old != state {
+		s.state.Store(state)
+		s.cfg.Metrics.SetState(state)
+	}
+}
+
+// State returns the forwarder's state: starting, streaming, standby,
+// reconnecting, republishing or stopped.
+func (s *Streamer) State() string { st, _ := s.state.Load().(string); return st }
+
+// Ready reports whether jetbox is streaming and publishing.
+func (s *Streamer) Ready() bool { return s.State() == metrics.StateStreaming }
+
+// SlotStats returns what the slot monitor last read.
+func (s *Streamer) SlotStats() SlotStats { return s.mon.snapshot() }
 
 // Run streams until ctx is cancelled (returns nil) or a permanent error
 // occurs (returned). Transient errors reconnect with jittered backoff.
 func (s *Streamer) Run(ctx context.Context) error {
+	mctx, stopMonitor := context.WithCancel(ctx)
+	monitorDone := make(chan struct{})
+	go func() { defer close(monitorDone); s.mon.run(mctx) }()
+	defer func() { stopMonitor(); <-monitorDone; s.setState(metrics.StateStopped) }()
+
 	bo := backoff.NewExponentialBackOff()
 	bo.InitialInterval = 200 * time.Millisecond
 	bo.MaxInterval = s.cfg.MaxBackoff
@@ -116,15 +165,24 @@ func (s *Streamer) Run(ctx context.Context) error {
 		if IsPermanent(err) {
 			return err
 		}
-		if time.Since(started) > time.Minute {
-			bo.Reset()
-		}
-		wait := bo.NextBackOff()
-		ev := s.log.Warn()
+		var wait time.Duration
 		if isSlotInUse(err) {
-			ev = s.log.Info() // another instance holds the slot: wait as a standby
+			// Another instance streams: stand by and take over when it goes.
+			if s.State() != metrics.StateStandby {
+				s.log.Info().Err(err).Dur("retry", s.cfg.StandbyRetry).Msg("another instance holds the slot: standing by")
+			}
+			s.setState(metrics.StateStandby)
+			bo.Reset()
+			wait = s.cfg.StandbyRetry/2 + time.Duration(rand.Int64N(int64(s.cfg.StandbyRetry)))
+		} else {
+			if time.Since(started) > time.Minute {
+				bo.Reset()
+			}
+			wait = bo.NextBackOff()
+			s.setState(metrics.StateReconnecting)
+			s.cfg.Metrics.Reconnects.WithLabelValues("postgres").Inc()
+			s.log.Warn().Err(err).Int("attempt", attempt).Dur("backoff", wait).Msg("replication session ended, reconnecting")
 		}
-		ev.Err(err).Int("attempt", attempt).Dur("backoff", wait).Msg("replication session ended, reconnecting")
 		select {
 		case <-ctx.Done():
 			return nil
@@ -202,7 +260,11 @@ func (s *Streamer) session(ctx context.Context) (err error) {
 		return fmt.Errorf("start replication on slot %q: %w", s.cfg.Slot, err)
 	}
 	log := s.log.With().Str("publication", s.cfg.Publication).Logger()
+	if s.State() == metrics.StateStandby {
+		log.Info().Str("confirmed_lsn", start.String()).Msg("took over the slot")
+	}
 	log.Info().Str("confirmed_lsn", start.String()).Msg("streaming")
+	s.setState(metrics.StateStreaming)
 
 	l := &loop{
 		s:       s,
@@ -348,6 +410,7 @@ func (l *loop) handle(ctx context.Context, data []byte) error {
 			return l.publish(ctx, &msg.Event)
 		case decoder.KindCommit:
 			l.tracker.Commit(msg.EndLSN)
+			l.s.cfg.Metrics.Transactions.Inc()
 		}
 		return nil
 	default:
@@ -434,7 +497,10 @@ func (l *loop) republish(ctx context.Context, failed int, cause error) error {
 			return err
 		}
 		l.sess = l.s.sink.Open()
-		for _, r := range l.tracker.Requeue() {
+		l.s.setState(metrics.StateRepublishing)
+		retries := l.tracker.Requeue()
+		l.s.cfg.Metrics.Retries.Add(float64(len(retries)))
+		for _, r := range retries {
 			l.send(r.Ticket, r.Payload.(*decoder.Event))
 			if n, _ := l.tracker.Failures(); n > 0 {
 				l.tracker.FailPending(errAbandoned) // nothing after a failure can be stored
@@ -457,6 +523,7 @@ func (l *loop) republish(ctx context.Context, failed int, cause error) error {
 		}
 		if failed, cause = l.tracker.Failures(); failed == 0 {
 			l.log.Info().Int("attempt", attempt).Msg("republished; resuming")
+			l.s.setState(metrics.StateStreaming)
 			l.lastRecv = time.Now()
 			return nil
 		}
@@ -521,6 +588,9 @@ func (l *loop) sendStatus(replyRequested bool) error {
 		l.sent = safe
 	}
 	l.s.sent.Store(uint64(safe))
+	l.s.cfg.Metrics.ConfirmedLSN.Set(float64(safe))
+	events, _ := l.tracker.InFlight()
+	l.s.cfg.Metrics.InFlight.Set(float64(events))
 	l.nextStatus = time.Now().Add(l.s.cfg.StatusInterval)
 	return nil
 }

@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"github.com/jetbox-dev/jetbox/decoder"
+	"github.com/jetbox-dev/jetbox/internal/metrics"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/rs/zerolog"
@@ -48,6 +49,7 @@ type Config struct {
 	PublishTimeout  time.Duration // how long to wait for one PubAck
 	MaxPending      int           // async publishes in flight (the tracker's window)
 	OrderGuard      bool          // set Nats-Expected-Last-Msg-Id (see package doc)
+	Metrics         *metrics.Metrics
 }
 
 // PermanentError is a publish failure that retrying cannot fix (the message is
@@ -87,6 +89,9 @@ func New(nc *nats.Conn, cfg Config, log zerolog.Logger) (*Publisher, error) {
 	if cfg.MaxPending < 1 {
 		cfg.MaxPending = 1024
 	}
+	if cfg.Metrics == nil {
+		cfg.Metrics = metrics.New()
+	}
 	js, err := jetstream.New(nc,
 		jetstream.WithPublishAsyncTimeout(cfg.PublishTimeout),
 		// Above the tracker's window so the client's own stall never triggers.
@@ -119,8 +124,9 @@ type Session struct {
 }
 
 type pendingAck struct {
-	fut  jetstream.PubAckFuture
-	done func(error)
+	fut       jetstream.PubAckFuture
+	done      func(error)
+	committed time.Time
 }
 
 // Open starts a session. Close it to wait for its acks.
@@ -154,6 +160,7 @@ func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
 	fut, err := s.p.js.PublishMsgAsync(msg, opts...)
 	if err != nil {
 		s.p.stats.errors.Add(1)
+		s.p.cfg.Metrics.PublishErrors.Inc()
 		if errors.Is(err, nats.ErrMaxPayload) {
 			return &PermanentError{Err: fmt.Errorf("publish to %s: %w (payload %d bytes, server max_payload %d)", ev.Subject, err, len(ev.Payload), s.p.nc.MaxPayload()),
 				Hint: "raise max_payload on the NATS server or keep outbox payloads smaller (e.g. a CHECK on octet_length(payload))"}
@@ -161,23 +168,28 @@ func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
 		return fmt.Errorf("publish to %s: %w", ev.Subject, err)
 	}
 	s.lastID = ev.ID
-	s.pending <- pendingAck{fut: fut, done: done}
+	s.pending <- pendingAck{fut: fut, done: done, committed: ev.CommitTime}
 	return nil
 }
 
 func (s *Session) watch() {
 	defer s.wg.Done()
+	m := s.p.cfg.Metrics
 	for pa := range s.pending {
 		select {
 		case ack := <-pa.fut.Ok():
 			if ack.Duplicate {
 				s.p.stats.duplicates.Add(1)
+				m.Duplicates.Inc()
 			} else {
 				s.p.stats.published.Add(1)
+				m.Published.Inc()
+				m.Latency.Observe(time.Since(pa.committed).Seconds())
 			}
 			pa.done(nil)
 		case err := <-pa.fut.Err():
 			s.p.stats.errors.Add(1)
+			m.PublishErrors.Inc()
 			pa.done(s.p.classify(err))
 		case <-s.quit:
 			return

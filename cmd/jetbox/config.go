@@ -3,7 +3,9 @@ package main
 import (
 	"errors"
 	"fmt"
+	"net"
 	"net/url"
+	"os"
 	"regexp"
 	"strconv"
 	"strings"
@@ -11,6 +13,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jetbox-dev/jetbox/decoder"
+	"github.com/jetbox-dev/jetbox/internal/metrics"
 	"github.com/jetbox-dev/jetbox/replication"
 	"github.com/jetbox-dev/jetbox/sink"
 	"github.com/rs/zerolog"
@@ -22,13 +25,20 @@ import (
 type RunFlags struct {
 	PostgresURL   string `name:"postgres-url" env:"JETBOX_POSTGRES_URL" help:"Postgres libpq URL or DSN (PG* variables and sslmode work). Required." placeholder:"URL"`
 	NatsURL       string `name:"nats-url" env:"JETBOX_NATS_URL" default:"nats://127.0.0.1:4222" help:"NATS server URL(s), comma-separated."`
-	NatsCreds     string `name:"nats-creds" env:"JETBOX_NATS_CREDS" help:"NATS credentials file (JWT + nkey)." placeholder:"FILE"`
+	NatsCreds     string `name:"nats-creds" env:"JETBOX_NATS_CREDS" help:"NATS credentials file (JWT + NKey)." placeholder:"FILE"`
+	NatsNKey      string `name:"nats-nkey" env:"JETBOX_NATS_NKEY" help:"NATS NKey seed file." placeholder:"FILE"`
+	NatsUser      string `name:"nats-user" env:"JETBOX_NATS_USER" help:"NATS user (with --nats-password)."`
+	NatsPassword  string `name:"nats-password" env:"JETBOX_NATS_PASSWORD" help:"NATS password."`
+	NatsToken     string `name:"nats-token" env:"JETBOX_NATS_TOKEN" help:"NATS token."`
+	NatsTLSCA     string `name:"nats-tls-ca" env:"JETBOX_NATS_TLS_CA" help:"CA certificate(s) to verify the NATS server, PEM." placeholder:"FILE"`
+	NatsTLSCert   string `name:"nats-tls-cert" env:"JETBOX_NATS_TLS_CERT" help:"Client certificate for NATS, PEM (with --nats-tls-key)." placeholder:"FILE"`
+	NatsTLSKey    string `name:"nats-tls-key" env:"JETBOX_NATS_TLS_KEY" help:"Client key for NATS, PEM." placeholder:"FILE"`
 	Table         string `name:"table" env:"JETBOX_TABLE" default:"public.outbox" help:"Outbox table, schema.name."`
 	Slot          string `name:"slot" env:"JETBOX_SLOT" default:"jetbox" help:"Logical replication slot (created if missing)."`
 	Publication   string `name:"publication" env:"JETBOX_PUBLICATION" default:"jetbox" help:"Publication (created if missing)."`
 	Stream        string `name:"stream" env:"JETBOX_STREAM" default:"OUTBOX" help:"JetStream stream (created if missing)."`
 	SubjectPrefix string `name:"subject-prefix" env:"JETBOX_SUBJECT_PREFIX" default:"outbox" help:"Subjects are <prefix>.<aggregate_type>.<event_type>."`
-	HTTPAddr      string `name:"http-addr" env:"JETBOX_HTTP_ADDR" default:"" help:"Address for /metrics, /healthz, /readyz (reserved: not served yet)."`
+	HTTPAddr      string `name:"http-addr" env:"JETBOX_HTTP_ADDR" default:"127.0.0.1:8080" help:"Address for /metrics, /healthz and /readyz; empty disables."`
 
 	IDColumn            string `name:"id-column" env:"JETBOX_ID_COLUMN" default:"id" help:"Row id column (uuid or text): Nats-Msg-Id."`
 	AggregateTypeColumn string `name:"aggregate-type-column" env:"JETBOX_AGGREGATE_TYPE_COLUMN" default:"aggregate_type" help:"Aggregate type column (text)."`
@@ -45,6 +55,10 @@ type RunFlags struct {
 	StatusInterval   string `name:"status-interval" env:"JETBOX_STATUS_INTERVAL" default:"1s" help:"Standby status update period."`
 	PostgresTimeout  string `name:"postgres-timeout" env:"JETBOX_POSTGRES_TIMEOUT" default:"30s" help:"Reconnect when Postgres sends nothing for this long."`
 	ShutdownTimeout  string `name:"shutdown-timeout" env:"JETBOX_SHUTDOWN_TIMEOUT" default:"10s" help:"On stop, wait this long for in-flight acks."`
+	StandbyRetry     string `name:"standby-retry" env:"JETBOX_STANDBY_RETRY" default:"1s" help:"While another instance holds the slot, retry this often (sets the takeover time)."`
+	Heartbeat        string `name:"heartbeat-interval" env:"JETBOX_HEARTBEAT_INTERVAL" default:"0s" help:"Write a heartbeat (pg_logical_emit_message) this often; 0 disables."`
+	MaxRetainedWAL   string `name:"max-retained-wal" env:"JETBOX_MAX_RETAINED_WAL" default:"1GiB" help:"Warn (log, metric, /readyz) when the slot retains more WAL; 0 disables."`
+	MaxOutage        string `name:"max-outage" env:"JETBOX_MAX_OUTAGE" default:"10m" help:"Worst-case outage to plan for: check warns when the stream's duplicate window is shorter."`
 	LogLevel         string `name:"log-level" env:"JETBOX_LOG_LEVEL" default:"info" help:"debug, info, warn or error."`
 	LogFormat        string `name:"log-format" env:"JETBOX_LOG_FORMAT" default:"json" help:"json or console."`
 }
@@ -53,12 +67,20 @@ type RunFlags struct {
 type Config struct {
 	PostgresURL string
 	NatsURL     string
-	NatsCreds   string
+	NATS        NATSAuth
 	HTTPAddr    string
+	MaxOutage   time.Duration
 	Replication replication.Config
 	Sink        sink.Config
 	LogLevel    zerolog.Level
 	LogConsole  bool
+	Metrics     *metrics.Metrics // set by run
+}
+
+// NATSAuth is how jetbox authenticates to NATS and verifies it.
+type NATSAuth struct {
+	Creds, NKey, User, Password, Token string
+	TLSCA, TLSCert, TLSKey             string
 }
 
 // ConfigError is one invalid setting, with how to fix it.
@@ -99,7 +121,37 @@ func (f *RunFlags) Config() (Config, error) {
 		}
 		return d
 	}
-	c := Config{PostgresURL: f.PostgresURL, NatsURL: f.NatsURL, NatsCreds: f.NatsCreds, HTTPAddr: f.HTTPAddr}
+	c := Config{PostgresURL: f.PostgresURL, NatsURL: f.NatsURL, HTTPAddr: f.HTTPAddr, NATS: NATSAuth{
+		Creds: f.NatsCreds, NKey: f.NatsNKey, User: f.NatsUser, Password: f.NatsPassword, Token: f.NatsToken,
+		TLSCA: f.NatsTLSCA, TLSCert: f.NatsTLSCert, TLSKey: f.NatsTLSKey}}
+	kinds := 0
+	for _, set := range []bool{f.NatsCreds != "", f.NatsNKey != "", f.NatsUser != "", f.NatsToken != ""} {
+		if set {
+			kinds++
+		}
+	}
+	if kinds > 1 {
+		bad("nats-creds", "", "more than one NATS credential kind given (creds, nkey, user/password, token)", "pass exactly one of them")
+	}
+	if (f.NatsUser == "") != (f.NatsPassword == "") {
+		bad("nats-user", f.NatsUser, "--nats-user and --nats-password go together", "give both, or neither")
+	}
+	if (f.NatsTLSCert == "") != (f.NatsTLSKey == "") {
+		bad("nats-tls-cert", f.NatsTLSCert, "--nats-tls-cert and --nats-tls-key go together", "give both, or neither")
+	}
+	for flag, path := range map[string]string{"nats-creds": f.NatsCreds, "nats-nkey": f.NatsNKey, "nats-tls-ca": f.NatsTLSCA, "nats-tls-cert": f.NatsTLSCert, "nats-tls-key": f.NatsTLSKey} {
+		if path == "" {
+			continue
+		}
+		if _, err := os.Stat(path); err != nil {
+			bad(flag, path, "cannot read the file: "+err.Error(), "check the path and permissions")
+		}
+	}
+	if f.HTTPAddr != "" {
+		if _, _, err := net.SplitHostPort(f.HTTPAddr); err != nil {
+			bad("http-addr", f.HTTPAddr, "not host:port", "use e.g. 127.0.0.1:8080 or :8080, or empty to disable")
+		}
+	}
 
 	if f.PostgresURL == "" {
 		bad("postgres-url", "", "required", "set JETBOX_POSTGRES_URL, e.g. postgres://jetbox:secret@127.0.0.1:5432/app?sslmode=disable")
@@ -153,6 +205,16 @@ func (f *RunFlags) Config() (Config, error) {
 	statusInterval := dur("status-interval", f.StatusInterval, 10*time.Millisecond, 10*time.Second)
 	pgTimeout := dur("postgres-timeout", f.PostgresTimeout, time.Second, 10*time.Minute)
 	shutdownTimeout := dur("shutdown-timeout", f.ShutdownTimeout, 0, 10*time.Minute)
+	standbyRetry := dur("standby-retry", f.StandbyRetry, 50*time.Millisecond, time.Minute)
+	heartbeat := dur("heartbeat-interval", f.Heartbeat, 0, time.Hour)
+	if heartbeat > 0 && heartbeat < time.Second {
+		bad("heartbeat-interval", f.Heartbeat, "shorter than 1s", "use 0 (off) or e.g. 10s")
+	}
+	c.MaxOutage = dur("max-outage", f.MaxOutage, 0, 0)
+	maxRetained, err := parseBytes(f.MaxRetainedWAL)
+	if err != nil {
+		bad("max-retained-wal", f.MaxRetainedWAL, "not a size", "use e.g. 1GiB, or 0 to disable")
+	}
 	if statusInterval > 0 && pgTimeout > 0 && pgTimeout < 3*statusInterval {
 		bad("postgres-timeout", f.PostgresTimeout, "shorter than 3 status intervals", "raise --postgres-timeout or lower --status-interval")
 	}
@@ -181,12 +243,15 @@ func (f *RunFlags) Config() (Config, error) {
 
 	c.Replication = replication.Config{
 		Slot: f.Slot, Publication: f.Publication,
-		Decoder:          decoder.Config{Schema: schema, Table: table, Columns: cols, SubjectPrefix: f.SubjectPrefix},
-		StatusInterval:   statusInterval,
-		Timeout:          pgTimeout,
-		MaxInFlight:      maxInFlight,
-		MaxInFlightBytes: maxBytes,
-		ShutdownTimeout:  shutdownTimeout,
+		Decoder:           decoder.Config{Schema: schema, Table: table, Columns: cols, SubjectPrefix: f.SubjectPrefix},
+		StatusInterval:    statusInterval,
+		Timeout:           pgTimeout,
+		MaxInFlight:       maxInFlight,
+		MaxInFlightBytes:  maxBytes,
+		ShutdownTimeout:   shutdownTimeout,
+		StandbyRetry:      standbyRetry,
+		HeartbeatInterval: heartbeat,
+		MaxRetainedWAL:    int64(maxRetained),
 	}
 	c.Sink = sink.Config{Stream: f.Stream, SubjectPrefix: f.SubjectPrefix, DuplicateWindow: dupWindow,
 		PublishTimeout: publishTimeout, MaxPending: maxInFlight, OrderGuard: orderGuard}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"sort"
 	"strings"
@@ -86,6 +87,11 @@ func (d *demoCmd) run(ctx context.Context, stdout, stderr io.Writer) int {
 	}
 	defer natsembed.Stop(srv)
 	natsURL := srv.ClientURL()
+	httpAddr, err := freeAddr()
+	if err != nil {
+		fmt.Fprintln(stderr, "jetbox demo:", err)
+		return exitFailure
+	}
 
 	conn, err := pgx.Connect(sctx, cluster.DSN)
 	if err != nil {
@@ -99,12 +105,16 @@ func (d *demoCmd) run(ctx context.Context, stdout, stderr io.Writer) int {
 	}
 	say("  postgres  %s  (tables orders, outbox)", cluster.DSN)
 	say("  nats      %s  (stream OUTBOX, subjects outbox.>)", natsURL)
+	say("  jetbox    http://%s/metrics, /readyz", httpAddr)
 
 	// The real forwarder, configured exactly as `jetbox run` would be.
 	var c cli
-	kctx, err := kong.New(&c, kong.Name("jetbox"))
-	if err == nil {
-		_, err = kctx.Parse([]string{"run", "--postgres-url=" + cluster.DSN, "--nats-url=" + natsURL, "--log-format=console", "--log-level=warn"})
+	{
+		var k *kong.Kong
+		if k, err = kong.New(&c, kong.Name("jetbox")); err == nil {
+			_, err = k.Parse([]string{"run", "--postgres-url=" + cluster.DSN, "--nats-url=" + natsURL,
+				"--http-addr=" + httpAddr, "--log-format=console", "--log-level=warn"})
+		}
 	}
 	if err != nil {
 		fmt.Fprintln(stderr, "jetbox demo:", err)
@@ -211,6 +221,16 @@ func (d *demoCmd) run(ctx context.Context, stdout, stderr io.Writer) int {
 		return code
 	}
 	return exitOK
+}
+
+// freeAddr returns a free 127.0.0.1 address for the demo's HTTP endpoints.
+func freeAddr() (string, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", err
+	}
+	defer l.Close()
+	return l.Addr().String(), nil
 }
 
 // printEvent shows one message: subject, headers, payload and how long after

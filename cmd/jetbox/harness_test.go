@@ -97,7 +97,7 @@ func newFixture(t testing.TB, opts ...fixtureOption) *fixture {
 	f.pg.Exec(t, `CREATE TABLE other (id bigserial PRIMARY KEY, note text)`)
 	// A long duplicate window: fault tests replay from Postgres' last
 	// checkpoint, which may be older than the 2-minute default.
-	f.env = []string{"JETBOX_DUPLICATE_WINDOW=30m", "JETBOX_LOG_LEVEL=debug", "JETBOX_SHUTDOWN_TIMEOUT=5s"}
+	f.env = []string{"JETBOX_DUPLICATE_WINDOW=30m", "JETBOX_LOG_LEVEL=debug", "JETBOX_SHUTDOWN_TIMEOUT=5s", "JETBOX_HTTP_ADDR="}
 	return f
 }
 

@@ -31,9 +31,11 @@ var (
 )
 
 type cli struct {
-	Run     RunFlags   `cmd:"" help:"Forward outbox inserts from the WAL to JetStream."`
-	Demo    demoCmd    `cmd:"" help:"See it work: a throwaway Postgres and an embedded NATS, the forwarder, sample orders, live."`
-	Version versionCmd `cmd:"" help:"Print version, commit and Go version."`
+	Run         RunFlags       `cmd:"" help:"Forward outbox inserts from the WAL to JetStream."`
+	Check       checkCmd       `cmd:"" help:"Check both sides and report every problem at once, with fixes (changes nothing)."`
+	Demo        demoCmd        `cmd:"" help:"See it work: a throwaway Postgres and an embedded NATS, the forwarder, sample orders, live."`
+	Healthcheck healthcheckCmd `cmd:"" help:"Exit 0 if a local jetbox answers /healthz (for container health checks)."`
+	Version     versionCmd     `cmd:"" help:"Print version, commit and Go version."`
 }
 
 type versionCmd struct{}
@@ -64,9 +66,15 @@ func realMain(args []string, stdout, stderr io.Writer) int {
 		return exitConfig
 	}
 	switch kctx.Command() {
+	case "healthcheck":
+		return c.Healthcheck.run()
 	case "version":
 		fmt.Fprintf(stdout, "jetbox %s (commit %s, %s)\n", version, commit, runtime.Version())
 		return exitOK
+	case "check":
+		ctx, stop := signalContext()
+		defer stop()
+		return c.Check.run(ctx, stdout, stderr)
 	case "demo":
 		ctx, stop := signalContext()
 		defer stop()

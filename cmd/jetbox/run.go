@@ -5,13 +5,12 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"strings"
-	"sync"
 	"time"
 
 	"github.com/cenkalti/backoff/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jetbox-dev/jetbox/decoder"
+	"github.com/jetbox-dev/jetbox/internal/check"
+	"github.com/jetbox-dev/jetbox/internal/metrics"
 	"github.com/jetbox-dev/jetbox/replication"
 	"github.com/jetbox-dev/jetbox/sink"
 	"github.com/nats-io/nats.go"
@@ -23,6 +22,14 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 	log := newLogger(cfg, stdout)
 	log.Info().Str("version", version).Str("slot", cfg.Replication.Slot).Str("stream", cfg.Sink.Stream).
 		Str("table", cfg.Replication.Decoder.Schema+"."+cfg.Replication.Decoder.Table).Msg("starting")
+	cfg.Metrics = metrics.New()
+	cfg.Replication.Metrics, cfg.Sink.Metrics = cfg.Metrics, cfg.Metrics
+	ops, err := startOps(cfg.HTTPAddr, cfg.Metrics, log)
+	if err != nil {
+		fmt.Fprintln(stderr, "jetbox:", err)
+		return exitConfig
+	}
+	defer ops.close()
 
 	nc, pub, err := preflight(ctx, cfg, log)
 	if err != nil {
@@ -39,6 +46,9 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 	if err != nil {
 		log.Error().Err(err).Msg("start replication")
 		return exitConfig
+	}
+	if ops != nil {
+		ops.streamer.Store(streamer)
 	}
 	err = streamer.Run(ctx)
 	st := pub.Stats()
@@ -72,108 +82,49 @@ type sinkAdapter struct{ p *sink.Publisher }
 
 func (a sinkAdapter) Open() replication.Session { return a.p.Open() }
 
-// unreachableError marks a preflight failure that may pass by itself (a
-// server not up yet); preflight retries those while nothing else is wrong.
-type unreachableError struct{ err error }
-
-func (e unreachableError) Error() string { return e.err.Error() }
-func (e unreachableError) Unwrap() error { return e.err }
-
-// preflight checks and prepares both sides concurrently and reports every
-// problem of both at once. While the only problems are unreachable servers it
-// retries with backoff, so jetbox can start before Postgres or NATS.
+// preflight runs every check on both sides (see checkAll). While the only
+// problems are unreachable servers it retries with backoff, so jetbox can
+// start before Postgres or NATS; any other error stops it, listing every
+// problem at once. Then it creates what is missing.
 func preflight(ctx context.Context, cfg Config, log zerolog.Logger) (*nats.Conn, *sink.Publisher, error) {
 	bo := backoff.NewExponentialBackOff()
 	bo.MaxInterval = 10 * time.Second
 	for {
-		nc, pub, errs := preflightOnce(ctx, cfg, log)
-		if len(errs) == 0 {
-			return nc, pub, nil
-		}
-		if nc != nil {
-			nc.Close()
-		}
-		onlyUnreachable := true
-		for _, e := range errs {
-			var u unreachableError
-			if !errors.As(e, &u) {
-				onlyUnreachable = false
+		r := checkAll(ctx, cfg, log)
+		if len(r.unreachable) == 0 && !check.Fatal(r.findings) {
+			for _, f := range r.findings {
+				if f.Severity == check.Warning {
+					log.Warn().Str("check", f.Check).Str("fix", f.Fix).Msg(f.What)
+				}
 			}
+			sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+			defer cancel()
+			if err := replication.Ensure(sctx, cfg.PostgresURL, cfg.Replication, log); err != nil {
+				r.nc.Close()
+				return nil, nil, err
+			}
+			if _, err := r.pub.EnsureStream(sctx); err != nil {
+				r.nc.Close()
+				return nil, nil, err
+			}
+			return r.nc, r.pub, nil
 		}
-		joined := errors.Join(errs...)
-		if !onlyUnreachable {
-			return nil, nil, joined
+		if r.nc != nil {
+			r.nc.Close()
 		}
-		wait := bo.NextBackOff()
-		log.Warn().Err(joined).Dur("backoff", wait).Msg("waiting for servers")
-		select {
-		case <-ctx.Done():
-			return nil, nil, ctx.Err()
-		case <-time.After(wait):
+		errs := r.errors()
+		if !check.Fatal(r.findings) && len(r.unreachable) > 0 {
+			wait := bo.NextBackOff()
+			log.Warn().Err(errors.Join(errs...)).Dur("backoff", wait).Msg("waiting for servers")
+			select {
+			case <-ctx.Done():
+				return nil, nil, ctx.Err()
+			case <-time.After(wait):
+			}
+			continue
 		}
+		return nil, nil, errors.Join(errs...)
 	}
-}
-
-func preflightOnce(ctx context.Context, cfg Config, log zerolog.Logger) (*nats.Conn, *sink.Publisher, []error) {
-	var (
-		wg      sync.WaitGroup
-		pgErrs  []error
-		natsErr []error
-		nc      *nats.Conn
-		pub     *sink.Publisher
-	)
-	wg.Add(2)
-	go func() {
-		defer wg.Done()
-		sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-		defer cancel()
-		err := replication.Setup(sctx, cfg.PostgresURL, cfg.Replication, log)
-		var pe *replication.ProblemsError
-		switch {
-		case errors.As(err, &pe):
-			for _, p := range pe.Problems {
-				pgErrs = append(pgErrs, fmt.Errorf("postgres: %s", p))
-			}
-		case err != nil:
-			e := fmt.Errorf("postgres: %w; fix: check --postgres-url (host, port, user, password, database) and that Postgres is up", err)
-			var pgErr *pgconn.PgError
-			if errors.As(err, &pgErr) { // the server answered: wrong password, no such database...
-				pgErrs = append(pgErrs, e)
-			} else {
-				pgErrs = append(pgErrs, unreachableError{e})
-			}
-		}
-	}()
-	go func() {
-		defer wg.Done()
-		var err error
-		nc, err = connectNATS(cfg, log)
-		if err != nil {
-			e := fmt.Errorf("nats: connect to %s: %w; fix: check --nats-url, credentials and that NATS is up", redact(cfg.NatsURL), err)
-			if errors.Is(err, nats.ErrNoServers) || strings.Contains(err.Error(), "connection refused") {
-				natsErr = append(natsErr, unreachableError{e})
-			} else {
-				natsErr = append(natsErr, e)
-			}
-			return
-		}
-		pub, err = sink.New(nc, cfg.Sink, log)
-		if err != nil {
-			natsErr = append(natsErr, fmt.Errorf("nats: %w", err))
-			return
-		}
-		sctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-		defer cancel()
-		if _, err := pub.EnsureStream(sctx); err != nil {
-			hint := ""
-			if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, nats.ErrNoResponders) {
-				hint = "; fix: enable JetStream on the NATS server (nats-server -js)"
-			}
-			natsErr = append(natsErr, fmt.Errorf("nats: %w%s", err, hint))
-		}
-	}()
-	wg.Wait()
-	return nc, pub, append(pgErrs, natsErr...)
 }
 
 func connectNATS(cfg Config, log zerolog.Logger) (*nats.Conn, error) {
@@ -192,14 +143,33 @@ func connectNATS(cfg Config, log zerolog.Logger) (*nats.Conn, error) {
 			}
 		}),
 		nats.ReconnectHandler(func(c *nats.Conn) {
+			cfg.Metrics.Reconnects.WithLabelValues("nats").Inc()
 			nlog.Info().Str("server", c.ConnectedUrlRedacted()).Msg("reconnected to NATS")
 		}),
 		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
 			nlog.Warn().Err(err).Msg("NATS error")
 		}),
 	}
-	if cfg.NatsCreds != "" {
-		opts = append(opts, nats.UserCredentials(cfg.NatsCreds))
+	a := cfg.NATS
+	switch {
+	case a.Creds != "":
+		opts = append(opts, nats.UserCredentials(a.Creds))
+	case a.NKey != "":
+		opt, err := nats.NkeyOptionFromSeed(a.NKey)
+		if err != nil {
+			return nil, fmt.Errorf("read NKey seed %s: %w", a.NKey, err)
+		}
+		opts = append(opts, opt)
+	case a.User != "":
+		opts = append(opts, nats.UserInfo(a.User, a.Password))
+	case a.Token != "":
+		opts = append(opts, nats.Token(a.Token))
+	}
+	if a.TLSCA != "" {
+		opts = append(opts, nats.RootCAs(a.TLSCA))
+	}
+	if a.TLSCert != "" {
+		opts = append(opts, nats.ClientCert(a.TLSCert, a.TLSKey))
 	}
 	return nats.Connect(cfg.NatsURL, opts...)
 }

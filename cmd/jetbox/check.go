@@ -1,0 +1,147 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/jetbox-dev/jetbox/internal/check"
+	"github.com/jetbox-dev/jetbox/replication"
+	"github.com/jetbox-dev/jetbox/sink"
+	"github.com/nats-io/nats.go"
+	"github.com/rs/zerolog"
+)
+
+// checkResult is everything one pass of checks found on both sides.
+type checkResult struct {
+	findings    []check.Finding
+	unreachable []error // servers that did not answer at all
+	nc          *nats.Conn
+	pub         *sink.Publisher
+}
+
+// errors returns every fatal finding and unreachable server as errors.
+func (r checkResult) errors() []error {
+	var errs []error
+	for _, f := range r.findings {
+		if f.Severity == check.Error {
+			errs = append(errs, fmt.Errorf("%s: %s; fix: %s", f.Check, f.What, f.Fix))
+		}
+	}
+	return append(errs, r.unreachable...)
+}
+
+// checkAll checks Postgres and NATS concurrently, changing nothing. The NATS
+// connection it opens is returned for the caller to use or close.
+func checkAll(ctx context.Context, cfg Config, log zerolog.Logger) checkResult {
+	var (
+		wg           sync.WaitGroup
+		pg, ns       []check.Finding
+		pgErr, nsErr error
+		r            checkResult
+	)
+	wg.Add(2)
+	go func() {
+		defer wg.Done()
+		sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		defer cancel()
+		pg, pgErr = replication.Check(sctx, cfg.PostgresURL, cfg.Replication)
+	}()
+	go func() {
+		defer wg.Done()
+		nc, err := connectNATS(cfg, log)
+		if err != nil {
+			nsErr = err
+			return
+		}
+		pub, err := sink.New(nc, cfg.Sink, log)
+		if err != nil {
+			nc.Close()
+			nsErr = err
+			return
+		}
+		sctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		ns = pub.Check(sctx, cfg.MaxOutage)
+		r.nc, r.pub = nc, pub
+	}()
+	wg.Wait()
+	if pgErr != nil {
+		e := fmt.Errorf("postgres: %w; fix: check --postgres-url (host, port, user, password, database) and that Postgres is up", pgErr)
+		if errors.Is(pgErr, replication.ErrUnreachable) {
+			r.unreachable = append(r.unreachable, e)
+		} else {
+			pg = append(pg, check.Finding{Severity: check.Error, Check: "postgres.connect", What: redact(pgErr.Error()),
+				Fix: "check --postgres-url: user, password, database, sslmode"})
+		}
+	}
+	if nsErr != nil {
+		what := fmt.Sprintf("connect to %s: %v", redact(cfg.NatsURL), nsErr)
+		if errors.Is(nsErr, nats.ErrNoServers) || errors.Is(nsErr, nats.ErrTimeout) || strings.Contains(nsErr.Error(), "connection refused") {
+			r.unreachable = append(r.unreachable, fmt.Errorf("nats: %s; fix: check --nats-url and that NATS is up", what))
+		} else {
+			ns = append(ns, check.Finding{Severity: check.Error, Check: "nats.connect", What: what,
+				Fix: "check --nats-url and the credentials (--nats-creds, --nats-nkey, --nats-user/--nats-password, --nats-token) and TLS files"})
+		}
+	}
+	r.findings = append(pg, ns...)
+	return r
+}
+
+// checkCmd is `jetbox check`: every problem of both sides in one run.
+type checkCmd struct {
+	RunFlags
+	JSON bool `name:"json" help:"Print the findings as JSON."`
+}
+
+func (c *checkCmd) run(ctx context.Context, stdout, stderr io.Writer) int {
+	cfg, err := c.RunFlags.Config()
+	if err != nil {
+		printProblems(stderr, "configuration", err)
+		return exitConfig
+	}
+	r := checkAll(ctx, cfg, zerolog.Nop())
+	if r.nc != nil {
+		r.nc.Close()
+	}
+	for _, e := range r.unreachable {
+		side, _, _ := strings.Cut(e.Error(), ":")
+		r.findings = append(r.findings, check.Finding{Severity: check.Error, Check: side + ".connect", What: e.Error()})
+	}
+	fatal := check.Fatal(r.findings)
+	if c.JSON {
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		_ = enc.Encode(struct {
+			OK       bool            `json:"ok"`
+			Findings []check.Finding `json:"findings"`
+		}{!fatal, r.findings})
+	} else {
+		for _, f := range r.findings {
+			fmt.Fprintf(stdout, "%-8s %-30s %s\n", strings.ToUpper(string(f.Severity)), f.Check, f.What)
+			if f.Fix != "" {
+				fmt.Fprintf(stdout, "%-8s %-30s fix: %s\n", "", "", f.Fix)
+			}
+		}
+		n := 0
+		for _, f := range r.findings {
+			if f.Severity == check.Error {
+				n++
+			}
+		}
+		if fatal {
+			fmt.Fprintf(stdout, "\n%d problem(s) to fix before jetbox can run.\n", n)
+		} else {
+			fmt.Fprintln(stdout, "\nready: jetbox run can start (it creates what is marked CREATE).")
+		}
+	}
+	if fatal {
+		return exitConfig
+	}
+	return exitOK
+}

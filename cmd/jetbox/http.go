@@ -1,0 +1,115 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"sync/atomic"
+	"time"
+
+	"github.com/jetbox-dev/jetbox/internal/metrics"
+	"github.com/jetbox-dev/jetbox/replication"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/rs/zerolog"
+)
+
+// opsServer serves /metrics, /healthz and /readyz.
+type opsServer struct {
+	srv      *http.Server
+	ln       net.Listener
+	streamer atomic.Pointer[replication.Streamer]
+}
+
+// readiness is the /readyz body.
+type readiness struct {
+	Ready            bool     `json:"ready"`
+	State            string   `json:"state"`
+	ConfirmedLSN     string   `json:"confirmed_lsn,omitempty"`
+	LagBytes         int64    `json:"lag_bytes"`
+	RetainedWALBytes int64    `json:"retained_wal_bytes"`
+	WALStatus        string   `json:"wal_status,omitempty"`
+	Warnings         []string `json:"warnings,omitempty"`
+}
+
+// startOps listens on addr ("" disables it) and serves in the background.
+func startOps(addr string, m *metrics.Metrics, log zerolog.Logger) (*opsServer, error) {
+	if addr == "" {
+		return nil, nil
+	}
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("listen on --http-addr %s: %w (is another jetbox using it? give each instance its own address)", addr, err)
+	}
+	o := &opsServer{ln: ln}
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{}))
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "text/plain")
+		_, _ = w.Write([]byte("ok\n"))
+	})
+	mux.HandleFunc("GET /readyz", o.ready)
+	o.srv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go func() {
+		if err := o.srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			log.Error().Err(err).Msg("http server")
+		}
+	}()
+	log.Info().Str("addr", ln.Addr().String()).Msg("serving /metrics, /healthz, /readyz")
+	return o, nil
+}
+
+func (o *opsServer) ready(w http.ResponseWriter, _ *http.Request) {
+	r := readiness{State: metrics.StateStarting}
+	if s := o.streamer.Load(); s != nil {
+		st := s.SlotStats()
+		r = readiness{Ready: s.Ready(), State: s.State(), ConfirmedLSN: s.ConfirmedLSN().String(),
+			LagBytes: st.LagBytes, RetainedWALBytes: st.RetainedBytes, WALStatus: st.WALStatus}
+		if st.OverThreshold {
+			r.Warnings = append(r.Warnings, fmt.Sprintf("the slot retains %d bytes of WAL, above --max-retained-wal", st.RetainedBytes))
+		}
+		if st.Err != "" {
+			r.Warnings = append(r.Warnings, "slot monitor: "+st.Err)
+		}
+	}
+	w.Header().Set("Content-Type", "application/json")
+	if !r.Ready {
+		w.WriteHeader(http.StatusServiceUnavailable)
+	}
+	_ = json.NewEncoder(w).Encode(r)
+}
+
+func (o *opsServer) close() {
+	if o == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	_ = o.srv.Shutdown(ctx)
+}
+
+// healthcheckCmd is `jetbox healthcheck`: for container HEALTHCHECKs in
+// images without curl. It exits 0 when /healthz answers 200.
+type healthcheckCmd struct {
+	HTTPAddr string `name:"http-addr" env:"JETBOX_HTTP_ADDR" default:"127.0.0.1:8080" help:"jetbox's --http-addr."`
+	Ready    bool   `help:"Check /readyz instead of /healthz."`
+}
+
+func (h *healthcheckCmd) run() int {
+	path := "/healthz"
+	if h.Ready {
+		path = "/readyz"
+	}
+	c := http.Client{Timeout: 3 * time.Second}
+	resp, err := c.Get("http://" + h.HTTPAddr + path)
+	if err != nil {
+		return exitFailure
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return exitFailure
+	}
+	return exitOK
+}

@@ -1,0 +1,161 @@
+package replication
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
+)
+
+// HeartbeatPrefix is the logical message prefix of jetbox's heartbeats.
+const HeartbeatPrefix = "jetbox-heartbeat"
+
+// SlotStats is what the monitor last read about the slot.
+type SlotStats struct {
+	At              time.Time
+	ServerLSN       string // pg_current_wal_lsn()
+	ConfirmedLSN    string // the slot's confirmed_flush_lsn
+	LagBytes        int64  // server LSN - confirmed_flush_lsn
+	RetainedBytes   int64  // server LSN - restart_lsn
+	WALStatus       string // reserved, extended, unreserved, lost
+	Active          bool
+	OverThreshold   bool
+	Err             string // the last monitoring error, if any
+	HeartbeatsTotal uint64
+}
+
+// monitor polls the slot over a normal SQL connection for metrics and the
+// retained-WAL guardrail, and writes heartbeats when configured. It never
+// changes the slot.
+type monitor struct {
+	s     *Streamer
+	mu    sync.Mutex
+	stats SlotStats
+	warn  time.Time // last retained-WAL warning, for rate limiting
+}
+
+func (m *monitor) snapshot() SlotStats {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.stats
+}
+
+func (m *monitor) run(ctx context.Context) {
+	interval := m.s.cfg.MonitorInterval
+	poll := time.NewTicker(interval)
+	defer poll.Stop()
+	var hb <-chan time.Time
+	if m.s.cfg.HeartbeatInterval > 0 {
+		t := time.NewTicker(m.s.cfg.HeartbeatInterval)
+		defer t.Stop()
+		hb = t.C
+	}
+	var conn *pgx.Conn
+	defer func() {
+		if conn != nil {
+			conn.Close(context.Background())
+		}
+	}()
+	ensure := func() bool {
+		if conn != nil && !conn.IsClosed() {
+			return true
+		}
+		cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		c, err := pgx.Connect(cctx, m.s.connString)
+		if err != nil {
+			m.fail(fmt.Errorf("monitor connect: %w", err))
+			return false
+		}
+		conn = c
+		return true
+	}
+	m.poll(ctx, ensure, &conn)
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-poll.C:
+			m.poll(ctx, ensure, &conn)
+		case <-hb:
+			if ensure() {
+				m.heartbeat(ctx, conn)
+			}
+		}
+	}
+}
+
+func (m *monitor) fail(err error) {
+	m.mu.Lock()
+	m.stats.Err = err.Error()
+	m.mu.Unlock()
+	m.s.log.Debug().Err(err).Msg("slot monitor")
+}
+
+func (m *monitor) poll(ctx context.Context, ensure func() bool, conn **pgx.Conn) {
+	if !ensure() {
+		return
+	}
+	qctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	var st SlotStats
+	err := (*conn).QueryRow(qctx, `SELECT
+		CASE WHEN pg_is_in_recovery() THEN coalesce(pg_last_wal_receive_lsn(), '0/0') ELSE pg_current_wal_lsn() END::text AS server,
+		coalesce(s.confirmed_flush_lsn::text, ''), coalesce(s.wal_status, ''), coalesce(s.active, false),
+		coalesce(pg_wal_lsn_diff(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_receive_lsn() ELSE pg_current_wal_lsn() END, s.confirmed_flush_lsn), 0)::bigint,
+		coalesce(pg_wal_lsn_diff(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_receive_lsn() ELSE pg_current_wal_lsn() END, s.restart_lsn), 0)::bigint
+		FROM (SELECT 1) one LEFT JOIN pg_replication_slots s ON s.slot_name = $1`, m.s.cfg.Slot).
+		Scan(&st.ServerLSN, &st.ConfirmedLSN, &st.WALStatus, &st.Active, &st.LagBytes, &st.RetainedBytes)
+	if err != nil {
+		(*conn).Close(context.Background())
+		m.fail(fmt.Errorf("monitor query: %w", err))
+		return
+	}
+	st.At = time.Now()
+	mt := m.s.cfg.Metrics
+	if lsn, err := pglogrepl.ParseLSN(st.ServerLSN); err == nil {
+		mt.ServerLSN.Set(float64(lsn))
+	}
+	mt.LagBytes.Set(float64(st.LagBytes))
+	mt.RetainedWAL.Set(float64(st.RetainedBytes))
+	if max := m.s.cfg.MaxRetainedWAL; max > 0 && st.RetainedBytes > max {
+		st.OverThreshold = true
+		mt.RetainedOver.Set(1)
+		if time.Since(m.warn) > time.Minute {
+			m.warn = time.Now()
+			m.s.log.Warn().Int64("retained_bytes", st.RetainedBytes).Int64("threshold_bytes", max).Str("wal_status", st.WALStatus).
+				Msg("the slot retains more WAL than --max-retained-wal: jetbox is behind or blocked (is NATS reachable?); Postgres keeps this WAL until it is confirmed")
+		}
+	} else {
+		mt.RetainedOver.Set(0)
+	}
+	m.mu.Lock()
+	st.HeartbeatsTotal = m.stats.HeartbeatsTotal
+	m.stats = st
+	m.mu.Unlock()
+}
+
+// heartbeat writes a non-transactional logical message: WAL in this
+// database, so the slot has something to advance past even when only other
+// databases of the cluster write. pgoutput does not forward it (messages are
+// off) and jetbox never publishes it.
+func (m *monitor) heartbeat(ctx context.Context, conn *pgx.Conn) {
+	hctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	var inRecovery bool
+	if err := conn.QueryRow(hctx, "SELECT pg_is_in_recovery()").Scan(&inRecovery); err != nil || inRecovery {
+		return // a standby cannot write WAL
+	}
+	if _, err := conn.Exec(hctx, "SELECT pg_logical_emit_message(false, $1, '')", HeartbeatPrefix); err != nil {
+		conn.Close(context.Background())
+		m.fail(fmt.Errorf("heartbeat: %w", err))
+		return
+	}
+	m.s.cfg.Metrics.Heartbeats.Inc()
+	m.mu.Lock()
+	m.stats.HeartbeatsTotal++
+	m.mu.Unlock()
+}

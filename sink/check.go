@@ -1,0 +1,71 @@
+package sink
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jetbox-dev/jetbox/internal/check"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// Check inspects the NATS side without changing anything: JetStream enabled,
+// the stream (or that it can be created), its subjects, duplicate window
+// (warned when shorter than maxOutage), message size limits, storage and
+// replicas.
+func (p *Publisher) Check(ctx context.Context, maxOutage time.Duration) []check.Finding {
+	var l check.List
+	l.Add(check.Info, "nats.server", fmt.Sprintf("connected to %s (server %s), max_payload %d bytes",
+		p.nc.ConnectedUrlRedacted(), p.nc.ConnectedServerVersion(), p.nc.MaxPayload()), "")
+	if _, err := p.js.AccountInfo(ctx); err != nil {
+		fix := "enable JetStream on the server (nats-server -js, or jetstream {} in its config) and for this account"
+		if errors.Is(err, context.DeadlineExceeded) {
+			fix = "check the server answers JetStream API requests; " + fix
+		}
+		l.Add(check.Error, "nats.jetstream", "JetStream is not available: "+err.Error(), fix)
+		return l
+	}
+	want := p.cfg.SubjectPrefix + ".>"
+	s, err := p.js.Stream(ctx, p.cfg.Stream)
+	if errors.Is(err, jetstream.ErrStreamNotFound) {
+		l.Add(check.Create, "nats.stream", fmt.Sprintf("stream %q is missing: jetbox run creates it (subjects %q, file storage, duplicate window %s, 1 replica)",
+			p.cfg.Stream, want, p.cfg.DuplicateWindow), "")
+		if maxOutage > p.cfg.DuplicateWindow {
+			l.Add(check.Warning, "nats.duplicate_window", fmt.Sprintf("--duplicate-window %s is shorter than --max-outage %s: a replay after a longer outage stores copies", p.cfg.DuplicateWindow, maxOutage),
+				"raise --duplicate-window before the stream is created")
+		}
+		return l
+	}
+	if err != nil {
+		l.Add(check.Error, "nats.stream", fmt.Sprintf("look up stream %q: %v", p.cfg.Stream, err), "check the account may use the JetStream API ($JS.API.>)")
+		return l
+	}
+	cfg := s.CachedInfo().Config
+	if !Captures(cfg.Subjects, want) {
+		l.Add(check.Error, "nats.stream", fmt.Sprintf("stream %q has subjects %q, which do not capture %q", p.cfg.Stream, cfg.Subjects, want),
+			fmt.Sprintf("add %q to the stream's subjects, or set --subject-prefix / --stream to match", want))
+	} else {
+		l.Add(check.Info, "nats.stream", fmt.Sprintf("stream %q captures %q (%d messages)", p.cfg.Stream, want, s.CachedInfo().State.Msgs), "")
+	}
+	if cfg.Duplicates < maxOutage {
+		l.Add(check.Warning, "nats.duplicate_window", fmt.Sprintf("stream duplicate window %s is shorter than --max-outage %s: a replay after a longer outage (or a Postgres crash) stores copies", cfg.Duplicates, maxOutage),
+			fmt.Sprintf("nats stream edit %s --dupe-window %s", p.cfg.Stream, maxOutage))
+	} else {
+		l.Add(check.Info, "nats.duplicate_window", fmt.Sprintf("duplicate window %s", cfg.Duplicates), "")
+	}
+	if cfg.MaxMsgSize > 0 {
+		l.Add(check.Info, "nats.max_msg_size", fmt.Sprintf("stream max_msg_size %d bytes: larger outbox rows stop jetbox", cfg.MaxMsgSize), "")
+	}
+	if cfg.Storage == jetstream.MemoryStorage {
+		l.Add(check.Warning, "nats.storage", "memory storage: a server restart loses the stream's messages (and their dedup ids)", "use file storage")
+	}
+	if cfg.Replicas < 3 {
+		l.Add(check.Warning, "nats.replicas", fmt.Sprintf("%d replica(s): a PubAck is not an fsync, so a power loss of the server can lose acked messages", max(cfg.Replicas, 1)),
+			"use an R3 stream in production (or sync_interval: always on the server)")
+	}
+	if cfg.Retention != jetstream.LimitsPolicy {
+		l.Add(check.Warning, "nats.retention", "retention is not limits: removed messages take their dedup ids with them", "prefer limits retention for the outbox stream")
+	}
+	return l
+}
