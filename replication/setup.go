@@ -287,7 +287,7 @@ func Ensure(ctx context.Context, connString string, cfg Config, log zerolog.Logg
 	}
 	if n == 0 {
 		c := &checker{cfg: cfg}
-		if _, err := conn.Exec(ctx, c.publicationSQL()); err != nil {
+		if _, err := conn.Exec(ctx, c.publicationSQL()); err != nil && !isDuplicate(err) { // another instance won the race
 			return fmt.Errorf("create publication %q: %w", cfg.Publication, err)
 		}
 		log.Info().Str("publication", cfg.Publication).Str("table", cfg.qualifiedTable()).Msg("created publication")
@@ -297,10 +297,20 @@ func Ensure(ctx context.Context, connString string, cfg Config, log zerolog.Logg
 	}
 	if n == 0 {
 		var lsn string
-		if err := conn.QueryRow(ctx, "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput', false)", cfg.Slot).Scan(&lsn); err != nil {
+		err := conn.QueryRow(ctx, "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput', false)", cfg.Slot).Scan(&lsn)
+		if isDuplicate(err) {
+			return nil // another instance created it just now
+		}
+		if err != nil {
 			return fmt.Errorf("create replication slot %q: %w", cfg.Slot, err)
 		}
 		log.Warn().Str("slot", cfg.Slot).Str("lsn", lsn).Msg("created replication slot: outbox rows committed before this LSN are not streamed")
 	}
 	return nil
+}
+
+// isDuplicate reports SQLSTATE 42710 duplicate_object.
+func isDuplicate(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "42710"
 }

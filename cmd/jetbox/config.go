@@ -58,6 +58,7 @@ type RunFlags struct {
 	StandbyRetry     string `name:"standby-retry" env:"JETBOX_STANDBY_RETRY" default:"1s" help:"While another instance holds the slot, retry this often (sets the takeover time)."`
 	Heartbeat        string `name:"heartbeat-interval" env:"JETBOX_HEARTBEAT_INTERVAL" default:"0s" help:"Write a heartbeat (pg_logical_emit_message) this often; 0 disables."`
 	MaxRetainedWAL   string `name:"max-retained-wal" env:"JETBOX_MAX_RETAINED_WAL" default:"1GiB" help:"Warn (log, metric, /readyz) when the slot retains more WAL; 0 disables."`
+	MonitorInterval  string `name:"monitor-interval" env:"JETBOX_MONITOR_INTERVAL" default:"5s" help:"How often to read the slot's lag and retained WAL (metrics, /readyz, the retained-WAL warning)."`
 	MaxOutage        string `name:"max-outage" env:"JETBOX_MAX_OUTAGE" default:"10m" help:"Worst-case outage to plan for: check warns when the stream's duplicate window is shorter."`
 	LogLevel         string `name:"log-level" env:"JETBOX_LOG_LEVEL" default:"info" help:"debug, info, warn or error."`
 	LogFormat        string `name:"log-format" env:"JETBOX_LOG_FORMAT" default:"json" help:"json or console."`
@@ -211,6 +212,7 @@ func (f *RunFlags) Config() (Config, error) {
 		bad("heartbeat-interval", f.Heartbeat, "shorter than 1s", "use 0 (off) or e.g. 10s")
 	}
 	c.MaxOutage = dur("max-outage", f.MaxOutage, 0, 0)
+	monitorInterval := dur("monitor-interval", f.MonitorInterval, 100*time.Millisecond, time.Hour)
 	maxRetained, err := parseBytes(f.MaxRetainedWAL)
 	if err != nil {
 		bad("max-retained-wal", f.MaxRetainedWAL, "not a size", "use e.g. 1GiB, or 0 to disable")
@@ -252,6 +254,7 @@ func (f *RunFlags) Config() (Config, error) {
 		StandbyRetry:      standbyRetry,
 		HeartbeatInterval: heartbeat,
 		MaxRetainedWAL:    int64(maxRetained),
+		MonitorInterval:   monitorInterval,
 	}
 	c.Sink = sink.Config{Stream: f.Stream, SubjectPrefix: f.SubjectPrefix, DuplicateWindow: dupWindow,
 		PublishTimeout: publishTimeout, MaxPending: maxInFlight, OrderGuard: orderGuard}

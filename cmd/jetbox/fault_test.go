@@ -32,8 +32,9 @@ func (f *fixture) finish(l *load, o *oracle) []string {
 	}
 	f.waitCount(len(want), 3*time.Minute)
 	f.assertStream(want)
-	f.t.Logf("%d rows in %d transactions committed and stored once each, in commit order (%d write errors during faults)",
-		len(want), l.txns.Load(), l.errs.Load())
+	last, _ := l.lastErr.Load().(string)
+	f.t.Logf("%d rows in %d transactions committed and stored once each, in commit order (%d write errors during faults, last: %s)",
+		len(want), l.txns.Load(), l.errs.Load(), last)
 	return want
 }
 

@@ -3,6 +3,7 @@
 package natsembed
 
 import (
+	"crypto/tls"
 	"fmt"
 	"net"
 	"strconv"
@@ -13,10 +14,13 @@ import (
 
 // Options configure an embedded server.
 type Options struct {
-	Host       string // default 127.0.0.1
-	Port       int    // 0: a free port
-	StoreDir   string // JetStream file store
-	MaxPayload int32  // 0: the server default (1 MiB)
+	Host       string      // default 127.0.0.1
+	Port       int         // 0: a free port
+	StoreDir   string      // JetStream file store
+	MaxPayload int32       // 0: the server default (1 MiB)
+	TLS        *tls.Config // serve TLS only; with ClientCAs set, client certificates are required
+	Username   string      // require this user and Password
+	Password   string
 }
 
 // Start starts a server and waits until it serves clients.
@@ -32,10 +36,14 @@ func Start(o Options) (*server.Server, error) {
 		o.Port = l.Addr().(*net.TCPAddr).Port
 		l.Close()
 	}
-	srv, err := server.NewServer(&server.Options{
+	so := &server.Options{
 		Host: o.Host, Port: o.Port, JetStream: true, StoreDir: o.StoreDir, MaxPayload: o.MaxPayload,
-		NoLog: true, NoSigs: true, MaxControlLine: 4096,
-	})
+		NoLog: true, NoSigs: true, MaxControlLine: 4096, Username: o.Username, Password: o.Password,
+	}
+	if o.TLS != nil {
+		so.TLS, so.TLSConfig, so.TLSVerify, so.TLSTimeout = true, o.TLS, o.TLS.ClientCAs != nil, 2
+	}
+	srv, err := server.NewServer(so)
 	if err != nil {
 		return nil, fmt.Errorf("nats server: %w", err)
 	}

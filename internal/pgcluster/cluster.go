@@ -241,6 +241,9 @@ func (c *Cluster) Remove() {
 	_ = os.RemoveAll(c.dir)
 }
 
+// DataDir is the cluster's data directory.
+func (c *Cluster) DataDir() string { return c.data }
+
 // LogTail returns the last n bytes of the server log.
 func (c *Cluster) LogTail(n int) string {
 	b, _ := os.ReadFile(c.LogPath)

@@ -2,6 +2,7 @@ package testenv
 
 import (
 	"context"
+	"crypto/tls"
 	"fmt"
 	"os"
 	"testing"
@@ -28,6 +29,14 @@ type NATSOption func(*natsembed.Options)
 
 // WithMaxPayload sets the server's max_payload.
 func WithMaxPayload(n int32) NATSOption { return func(o *natsembed.Options) { o.MaxPayload = n } }
+
+// WithTLS serves TLS only (client certificates required when ClientCAs is set).
+func WithTLS(c *tls.Config) NATSOption { return func(o *natsembed.Options) { o.TLS = c } }
+
+// WithUser requires a user and password.
+func WithUser(user, password string) NATSOption {
+	return func(o *natsembed.Options) { o.Username, o.Password = user, password }
+}
 
 // StartNATS starts a server for the test; cleanup shuts it down.
 func StartNATS(t testing.TB, opts ...NATSOption) *NATS {

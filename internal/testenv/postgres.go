@@ -86,6 +86,9 @@ func StartPostgres(t testing.TB, opts ...PGOption) *Postgres {
 // Port is the server's TCP port on 127.0.0.1.
 func (p *Postgres) Port() int { return p.c.Port }
 
+// DataDir is the cluster's data directory (pg_hba.conf lives there).
+func (p *Postgres) DataDir() string { return p.c.DataDir() }
+
 // Start starts the server (again) on the same port and data, and waits until
 // it accepts connections.
 func (p *Postgres) Start() {

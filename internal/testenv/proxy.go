@@ -77,6 +77,7 @@ func (p *Proxy) pipe(dst, src net.Conn) {
 			}
 		}
 		if err != nil {
+			p.waitResumed() // a blackhole delivers no FIN either
 			return
 		}
 	}
@@ -100,7 +101,8 @@ func (p *Proxy) Cut() {
 	}
 }
 
-// Pause stops forwarding (bytes are held, sockets stay open).
+// Pause stops forwarding (bytes are held, sockets stay open, and a side
+// that closes is not seen closing by the other until Resume or Cut).
 func (p *Proxy) Pause() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
