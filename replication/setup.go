@@ -309,8 +309,10 @@ func Ensure(ctx context.Context, connString string, cfg Config, log zerolog.Logg
 	return nil
 }
 
-// isDuplicate reports SQLSTATE 42710 duplicate_object.
+// isDuplicate reports that another session created the object first:
+// SQLSTATE 42710 duplicate_object, or 23505 unique_violation when the two
+// creations raced inside the catalog (seen on PostgreSQL 18).
 func isDuplicate(err error) bool {
 	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == "42710"
+	return errors.As(err, &pgErr) && (pgErr.Code == "42710" || pgErr.Code == "23505")
 }

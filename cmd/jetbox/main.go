@@ -1,7 +1,10 @@
 // Command jetbox forwards a PostgreSQL transactional outbox to NATS JetStream.
 //
 //	jetbox run       stream outbox inserts from the WAL to JetStream
+//	jetbox check     check both sides, report every problem at once
+//	jetbox status    the slot, the publication, the stream and the lag
 //	jetbox demo      see it work on a throwaway Postgres and an embedded NATS
+//	jetbox healthcheck  exit 0 if a local jetbox answers /healthz
 //	jetbox version   print version information
 package main
 
@@ -33,6 +36,7 @@ var (
 type cli struct {
 	Run         RunFlags       `cmd:"" help:"Forward outbox inserts from the WAL to JetStream."`
 	Check       checkCmd       `cmd:"" help:"Check both sides and report every problem at once, with fixes (changes nothing)."`
+	Status      statusCmd      `cmd:"" help:"One screen: the slot, the publication, the stream and the lag."`
 	Demo        demoCmd        `cmd:"" help:"See it work: a throwaway Postgres and an embedded NATS, the forwarder, sample orders, live."`
 	Healthcheck healthcheckCmd `cmd:"" help:"Exit 0 if a local jetbox answers /healthz (for container health checks)."`
 	Version     versionCmd     `cmd:"" help:"Print version, commit and Go version."`
@@ -75,6 +79,10 @@ func realMain(args []string, stdout, stderr io.Writer) int {
 		ctx, stop := signalContext()
 		defer stop()
 		return c.Check.run(ctx, stdout, stderr)
+	case "status":
+		ctx, stop := signalContext()
+		defer stop()
+		return c.Status.run(ctx, stdout, stderr)
 	case "demo":
 		ctx, stop := signalContext()
 		defer stop()

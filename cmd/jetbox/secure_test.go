@@ -182,3 +182,22 @@ func TestSlotInvalidated(t *testing.T) {
 		t.Fatal("the invalidated slot was dropped or recreated")
 	}
 }
+
+// TestStatusCommand: `jetbox status` shows the slot, publication and stream.
+func TestStatusCommand(t *testing.T) {
+	f := newFixture(t)
+	p := f.start()
+	f.waitStreaming(p)
+	f.insertTx(f.conn(), "s", 3)
+	f.waitCount(3, 30*time.Second)
+	var out, errOut bytes.Buffer
+	if code := realMain([]string{"status", "--postgres-url=" + f.pg.DSN, "--nats-url=" + f.nats.URL}, &out, &errOut); code != exitOK {
+		t.Fatalf("exit %d:\n%s%s", code, out.String(), errOut.String())
+	}
+	for _, want := range []string{"slot         jetbox: active, walsender pid", "publication  jetbox: inserts true", "stream       OUTBOX: 3 messages", "duplicate window 30m0s"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("status lacks %q:\n%s", want, out.String())
+		}
+	}
+	p.stop()
+}
