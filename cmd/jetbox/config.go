@@ -25,6 +25,8 @@ import (
 type RunFlags struct {
 	PostgresURL   string `name:"postgres-url" env:"JETBOX_POSTGRES_URL" help:"Postgres libpq URL or DSN (PG* variables and sslmode work). Required." placeholder:"URL"`
 	NatsURL       string `name:"nats-url" env:"JETBOX_NATS_URL" default:"nats://127.0.0.1:4222" help:"NATS server URL(s), comma-separated."`
+	NatsStoreDir  string `name:"nats-store-dir" env:"JETBOX_NATS_STORE_DIR" help:"With --nats-url=embedded: the JetStream store directory (required)." placeholder:"DIR"`
+	NatsListen    string `name:"nats-listen" env:"JETBOX_NATS_LISTEN" default:"127.0.0.1:4222" help:"With --nats-url=embedded: where the embedded server listens for consumers."`
 	NatsCreds     string `name:"nats-creds" env:"JETBOX_NATS_CREDS" help:"NATS credentials file (JWT + NKey)." placeholder:"FILE"`
 	NatsNKey      string `name:"nats-nkey" env:"JETBOX_NATS_NKEY" help:"NATS NKey seed file." placeholder:"FILE"`
 	NatsUser      string `name:"nats-user" env:"JETBOX_NATS_USER" help:"NATS user (with --nats-password)."`
@@ -69,13 +71,15 @@ type Config struct {
 	PostgresURL string
 	NatsURL     string
 	NATS        NATSAuth
-	HTTPAddr    string
-	MaxOutage   time.Duration
-	Replication replication.Config
-	Sink        sink.Config
-	LogLevel    zerolog.Level
-	LogConsole  bool
-	Metrics     *metrics.Metrics // set by run
+	// NatsListen and NatsStoreDir configure the embedded server (--nats-url=embedded).
+	NatsListen, NatsStoreDir string
+	HTTPAddr                 string
+	MaxOutage                time.Duration
+	Replication              replication.Config
+	Sink                     sink.Config
+	LogLevel                 zerolog.Level
+	LogConsole               bool
+	Metrics                  *metrics.Metrics // set by run
 }
 
 // NATSAuth is how jetbox authenticates to NATS and verifies it.
@@ -159,11 +163,21 @@ func (f *RunFlags) Config() (Config, error) {
 	} else if _, err := pgconn.ParseConfig(f.PostgresURL); err != nil {
 		bad("postgres-url", "", "cannot be parsed: "+redact(err.Error()), "use a libpq URL (postgres://user:pass@host:5432/db) or a key=value DSN")
 	}
-	for _, u := range strings.Split(f.NatsURL, ",") {
-		u = strings.TrimSpace(u)
-		pu, err := url.Parse(u)
-		if err != nil || pu.Host == "" || !map[string]bool{"nats": true, "tls": true, "ws": true, "wss": true}[pu.Scheme] {
-			bad("nats-url", u, "not a NATS URL", "use nats://host:4222 (or tls://, ws://, wss://); separate several with commas")
+	if f.NatsURL == "embedded" {
+		if f.NatsStoreDir == "" {
+			bad("nats-store-dir", "", "required with --nats-url=embedded", "give a persistent directory for the embedded server's JetStream store")
+		}
+		if _, _, err := net.SplitHostPort(f.NatsListen); err != nil {
+			bad("nats-listen", f.NatsListen, "not host:port", "use e.g. 127.0.0.1:4222")
+		}
+		c.NatsListen, c.NatsStoreDir = f.NatsListen, f.NatsStoreDir
+	} else {
+		for _, u := range strings.Split(f.NatsURL, ",") {
+			u = strings.TrimSpace(u)
+			pu, err := url.Parse(u)
+			if err != nil || pu.Host == "" || !map[string]bool{"nats": true, "tls": true, "ws": true, "wss": true}[pu.Scheme] {
+				bad("nats-url", u, "not a NATS URL", "use nats://host:4222 (or tls://, ws://, wss://; or embedded); separate several with commas")
+			}
 		}
 	}
 

@@ -5,14 +5,18 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
+	"strconv"
 	"time"
 
 	"github.com/cenkalti/backoff/v5"
 	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/jetbox-dev/jetbox/internal/check"
 	"github.com/jetbox-dev/jetbox/internal/metrics"
+	"github.com/jetbox-dev/jetbox/internal/natsembed"
 	"github.com/jetbox-dev/jetbox/replication"
 	"github.com/jetbox-dev/jetbox/sink"
+	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/rs/zerolog"
 )
@@ -30,6 +34,17 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 		return exitConfig
 	}
 	defer ops.close()
+
+	if cfg.NatsURL == "embedded" {
+		srv, err := startEmbeddedNATS(cfg)
+		if err != nil {
+			fmt.Fprintln(stderr, "jetbox:", err)
+			return exitConfig
+		}
+		defer natsembed.Stop(srv)
+		cfg.NatsURL = srv.ClientURL()
+		log.Info().Str("url", cfg.NatsURL).Str("store_dir", cfg.NatsStoreDir).Msg("embedded NATS server started")
+	}
 
 	nc, pub, err := preflight(ctx, cfg, log)
 	if err != nil {
@@ -67,6 +82,20 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 		return exitFailure
 	}
 	return exitOK
+}
+
+// startEmbeddedNATS runs the NATS server inside jetbox (--nats-url=embedded).
+func startEmbeddedNATS(cfg Config) (*server.Server, error) {
+	host, port, _ := net.SplitHostPort(cfg.NatsListen)
+	p, err := strconv.Atoi(port)
+	if err != nil {
+		return nil, fmt.Errorf("--nats-listen %s: %w", cfg.NatsListen, err)
+	}
+	srv, err := natsembed.Start(natsembed.Options{Host: host, Port: p, StoreDir: cfg.NatsStoreDir})
+	if err != nil {
+		return nil, fmt.Errorf("embedded NATS server on %s: %w", cfg.NatsListen, err)
+	}
+	return srv, nil
 }
 
 func newLogger(cfg Config, stdout io.Writer) zerolog.Logger {
