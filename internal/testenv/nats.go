@@ -5,6 +5,9 @@ import (
 	"crypto/tls"
 	"fmt"
 	"os"
+	"os/exec"
+	"path/filepath"
+	"syscall"
 	"testing"
 	"time"
 
@@ -17,9 +20,11 @@ import (
 // NATS is an embedded nats-server with JetStream and a file store; it can be
 // stopped and started again on the same port and store.
 type NATS struct {
-	t    testing.TB
-	opts natsembed.Options
-	srv  *server.Server
+	t       testing.TB
+	opts    natsembed.Options
+	srv     *server.Server
+	ext     *exec.Cmd // when JETBOX_NATS_BIN names a nats-server binary
+	extDone chan struct{}
 	// URL is the client URL, stable across restarts.
 	URL string
 }
@@ -55,9 +60,17 @@ func StartNATS(t testing.TB, opts ...NATSOption) *NATS {
 	return n
 }
 
+// External reports whether the tests run a nats-server binary
+// ($JETBOX_NATS_BIN, another server version) instead of the embedded one.
+func External() bool { return os.Getenv("JETBOX_NATS_BIN") != "" }
+
 // Start starts the server (again) and waits until it serves clients.
 func (n *NATS) Start() {
 	n.t.Helper()
+	if bin := os.Getenv("JETBOX_NATS_BIN"); bin != "" {
+		n.startExternal(bin)
+		return
+	}
 	srv, err := natsembed.Start(n.opts)
 	if err != nil {
 		n.t.Fatal(err)
@@ -65,8 +78,66 @@ func (n *NATS) Start() {
 	n.srv = srv
 }
 
+// startExternal runs a nats-server binary with the same options.
+func (n *NATS) startExternal(bin string) {
+	if n.opts.TLS != nil {
+		n.t.Skip("TLS tests run against the embedded server only")
+	}
+	conf := fmt.Sprintf("listen: 127.0.0.1:%d\njetstream { store_dir: %q }\n", n.opts.Port, n.opts.StoreDir)
+	if n.opts.MaxPayload > 0 {
+		conf += fmt.Sprintf("max_payload: %d\n", n.opts.MaxPayload)
+	}
+	if n.opts.Username != "" {
+		conf += fmt.Sprintf("authorization { user: %q, password: %q }\n", n.opts.Username, n.opts.Password)
+	}
+	path := filepath.Join(n.opts.StoreDir, "nats.conf")
+	if err := os.WriteFile(path, []byte(conf), 0o600); err != nil {
+		n.t.Fatal(err)
+	}
+	cmd := exec.Command(bin, "-c", path)
+	if err := cmd.Start(); err != nil {
+		n.t.Fatalf("start %s: %v", bin, err)
+	}
+	n.ext, n.extDone = cmd, make(chan struct{})
+	go func(done chan struct{}) { _ = cmd.Wait(); close(done) }(n.extDone)
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		nc, err := nats.Connect(n.URL, nats.UserInfo(n.opts.Username, n.opts.Password))
+		if err == nil {
+			js, _ := jetstream.New(nc)
+			ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+			_, err = js.AccountInfo(ctx)
+			cancel()
+			nc.Close()
+			if err == nil {
+				return
+			}
+		}
+		select {
+		case <-n.extDone:
+			n.t.Fatalf("%s exited at start", bin)
+		default:
+		}
+		if time.Now().After(deadline) {
+			n.t.Fatalf("%s not ready after 30s: %v", bin, err)
+		}
+		time.Sleep(20 * time.Millisecond) // readiness has no event to wait on
+	}
+}
+
 // Stop shuts the server down and waits until it is gone.
 func (n *NATS) Stop() {
+	if n.ext != nil {
+		_ = n.ext.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-n.extDone:
+		case <-time.After(30 * time.Second):
+			_ = n.ext.Process.Kill()
+			<-n.extDone
+		}
+		n.ext = nil
+		return
+	}
 	if n.srv == nil {
 		return
 	}
