@@ -54,9 +54,11 @@ func (c Config) quotedTable() string {
 	return pgx.Identifier{c.Decoder.Schema, c.Decoder.Table}.Sanitize()
 }
 
-// Sink is where events go: one Session per replication session.
+// Sink is where events go: one Session per replication session, and a new
+// one after publish failures. Open may fail (the stream is unreachable); an
+// error that implements Permanent() true stops jetbox.
 type Sink interface {
-	Open() Session
+	Open(ctx context.Context) (Session, error)
 }
 
 // Session publishes the events of one replication session.
@@ -266,13 +268,17 @@ func (s *Streamer) session(ctx context.Context) (err error) {
 	log.Info().Str("confirmed_lsn", start.String()).Msg("streaming")
 	s.setState(metrics.StateStreaming)
 
+	sess, err := s.sink.Open(ctx)
+	if err != nil {
+		return fmt.Errorf("open publishing session: %w", err)
+	}
 	l := &loop{
 		s:       s,
 		conn:    conn,
 		log:     log,
 		tracker: checkpoint.New(start, s.cfg.MaxInFlight, s.cfg.MaxInFlightBytes),
 		dec:     decoder.New(s.cfg.Decoder),
-		sess:    s.sink.Open(),
+		sess:    sess,
 	}
 	s.sent.Store(uint64(start))
 	err = l.run(ctx)
@@ -496,7 +502,15 @@ func (l *loop) republish(ctx context.Context, failed int, cause error) error {
 		if err := l.idle(ctx, time.Now().Add(wait)); err != nil {
 			return err
 		}
-		l.sess = l.s.sink.Open()
+		sess, err := l.s.sink.Open(ctx)
+		if err != nil {
+			if IsPermanent(err) || ctx.Err() != nil {
+				return err
+			}
+			cause = fmt.Errorf("open publishing session: %w", err)
+			continue
+		}
+		l.sess = sess
 		l.s.setState(metrics.StateRepublishing)
 		retries := l.tracker.Requeue()
 		l.s.cfg.Metrics.Retries.Add(float64(len(retries)))
@@ -531,24 +545,29 @@ func (l *loop) republish(ctx context.Context, failed int, cause error) error {
 }
 
 // closeSession waits up to timeout for the sink session's acks, sending
-// status updates meanwhile, then fails whatever is still in flight.
+// status updates meanwhile, then fails whatever is still in flight. It
+// returns only once the session is closed; a status update that fails
+// (the connection died) stops the updates and is returned.
 func (l *loop) closeSession(ctx context.Context, timeout time.Duration) error {
 	dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), timeout)
 	defer cancel()
 	done := make(chan error, 1)
 	go func() { done <- l.sess.Close(dctx) }()
+	var statusErr error
 	for {
+		var tick <-chan time.Time
+		if statusErr == nil {
+			tick = time.After(time.Until(l.nextStatus))
+		}
 		select {
 		case err := <-done:
 			if err != nil {
 				l.log.Warn().Err(err).Msg("gave up waiting for acks")
 			}
 			l.tracker.FailPending(errAbandoned)
-			return nil
-		case <-time.After(time.Until(l.nextStatus)):
-			if err := l.sendStatus(false); err != nil {
-				return err
-			}
+			return statusErr
+		case <-tick:
+			statusErr = l.sendStatus(false)
 		}
 	}
 }

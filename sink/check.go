@@ -64,6 +64,24 @@ func (p *Publisher) Check(ctx context.Context, maxOutage time.Duration) []check.
 		l.Add(check.Warning, "nats.replicas", fmt.Sprintf("%d replica(s): a PubAck is not an fsync, so a power loss of the server can lose acked messages", max(cfg.Replicas, 1)),
 			"use an R3 stream in production (or sync_interval: always on the server)")
 	}
+	if p.cfg.ExactlyOnce {
+		st := s.CachedInfo().State
+		switch {
+		case cfg.Retention != jetstream.LimitsPolicy || cfg.MaxAge > 0 || cfg.MaxMsgs > 0 || cfg.MaxBytes > 0:
+			l.Add(check.Warning, "nats.exactly_once", "exactly-once mode resumes from the stream's last message: retention other than limits, or a max age/msgs/bytes limit, may remove it",
+				"keep the last message: limits retention with bounds far above an outage's backlog")
+		}
+		if st.LastSeq > 0 {
+			if m, err := s.GetMsg(ctx, st.LastSeq); err != nil {
+				l.Add(check.Error, "nats.exactly_once", fmt.Sprintf("cannot read the stream's last message (seq %d): %v", st.LastSeq, err), "keep the last message in the stream (retention)")
+			} else if _, ok := positionOf(m.Header); !ok {
+				l.Add(check.Error, "nats.exactly_once", fmt.Sprintf("the stream's last message (seq %d, %s) was not written by jetbox: exactly-once mode needs jetbox to be its only writer", st.LastSeq, m.Subject),
+					"stop the other publisher, or use --delivery=dedup")
+			} else {
+				l.Add(check.Info, "nats.exactly_once", fmt.Sprintf("exactly-once: resumes after seq %d", st.LastSeq), "")
+			}
+		}
+	}
 	if cfg.Retention != jetstream.LimitsPolicy {
 		l.Add(check.Warning, "nats.retention", "retention is not limits: removed messages take their dedup ids with them", "prefer limits retention for the outbox stream")
 	}

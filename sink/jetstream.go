@@ -20,6 +20,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/jackc/pglogrepl"
 	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/jetbox-dev/jetbox/internal/metrics"
 	"github.com/nats-io/nats.go"
@@ -49,7 +50,11 @@ type Config struct {
 	PublishTimeout  time.Duration // how long to wait for one PubAck
 	MaxPending      int           // async publishes in flight (the tracker's window)
 	OrderGuard      bool          // set Nats-Expected-Last-Msg-Id (see package doc)
-	Metrics         *metrics.Metrics
+	// ExactlyOnce: jetbox is the stream's only writer; every publish expects
+	// the stream's last sequence, and replayed events at or before the
+	// stream's last message are skipped by position (see Open).
+	ExactlyOnce bool
+	Metrics     *metrics.Metrics
 }
 
 // PermanentError is a publish failure that retrying cannot fix (the message is
@@ -120,7 +125,25 @@ type Session struct {
 	quit    chan struct{}
 	wg      sync.WaitGroup
 	lastID  string
-	closed  bool
+	closing sync.Once // closes pending
+	quitter sync.Once // closes quit
+
+	// exactly-once mode
+	nextSeq uint64   // the stream's last sequence before the next publish
+	last    Position // position of the stream's last message
+	skipped uint64
+}
+
+// Position orders events along the stream: commit order, then the row's
+// index in its transaction. It strictly increases from message to message.
+type Position struct {
+	CommitLSN uint64
+	TxIndex   int
+}
+
+// Less reports whether p comes before q.
+func (p Position) Less(q Position) bool {
+	return p.CommitLSN < q.CommitLSN || (p.CommitLSN == q.CommitLSN && p.TxIndex < q.TxIndex)
 }
 
 type pendingAck struct {
@@ -129,12 +152,70 @@ type pendingAck struct {
 	committed time.Time
 }
 
-// Open starts a session. Close it to wait for its acks.
-func (p *Publisher) Open() *Session {
+// Open starts a session; Close it to wait for its acks. In exactly-once mode
+// it first reads the stream's last message: its position is where this
+// session resumes, and its sequence the base of the expected sequences.
+func (p *Publisher) Open(ctx context.Context) (*Session, error) {
 	s := &Session{p: p, pending: make(chan pendingAck, p.cfg.MaxPending+1), quit: make(chan struct{})}
+	if p.cfg.ExactlyOnce {
+		if err := s.resume(ctx); err != nil {
+			return nil, err
+		}
+	}
 	s.wg.Add(1)
 	go s.watch()
-	return s
+	return s, nil
+}
+
+// ErrForeignMessage means the stream holds a message jetbox did not write,
+// which exactly-once mode cannot order against.
+var ErrForeignMessage = errors.New("the stream's last message was not written by jetbox")
+
+func (s *Session) resume(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	st, err := s.p.js.Stream(ctx, s.p.cfg.Stream)
+	if err != nil {
+		return fmt.Errorf("exactly-once: look up stream %q: %w", s.p.cfg.Stream, err)
+	}
+	info, err := st.Info(ctx)
+	if err != nil {
+		return fmt.Errorf("exactly-once: stream %q info: %w", s.p.cfg.Stream, err)
+	}
+	s.nextSeq = info.State.LastSeq
+	if s.nextSeq == 0 {
+		return nil
+	}
+	m, err := st.GetMsg(ctx, s.nextSeq)
+	if err != nil {
+		if errors.Is(err, jetstream.ErrMsgNotFound) {
+			return &PermanentError{Err: fmt.Errorf("exactly-once: the stream's last message (seq %d) is gone", s.nextSeq),
+				Hint: "exactly-once mode resumes from the stream's last message: use a retention that keeps it (limits, no max-age shorter than an outage), or --delivery=dedup"}
+		}
+		return fmt.Errorf("exactly-once: read the stream's last message (seq %d): %w", s.nextSeq, err)
+	}
+	pos, ok := positionOf(m.Header)
+	if !ok {
+		return &PermanentError{Err: fmt.Errorf("exactly-once: %w (seq %d, subject %s)", ErrForeignMessage, s.nextSeq, m.Subject),
+			Hint: "exactly-once mode needs jetbox to be the stream's only writer: stop the other publisher (or use --delivery=dedup), then restart jetbox"}
+	}
+	s.last = pos
+	s.lastID = m.Header.Get(jetstream.MsgIDHeader)
+	s.p.log.Info().Uint64("seq", s.nextSeq).Str("lsn", pglogrepl.LSN(pos.CommitLSN).String()).Int("tx_index", pos.TxIndex).
+		Msg("exactly-once: resuming after the stream's last message")
+	return nil
+}
+
+func positionOf(h nats.Header) (Position, bool) {
+	lsn, err := pglogrepl.ParseLSN(h.Get(HeaderCommitLSN))
+	if err != nil || h.Get(HeaderCommitLSN) == "" {
+		return Position{}, false
+	}
+	idx, err := strconv.Atoi(h.Get(HeaderTxIndex))
+	if err != nil {
+		return Position{}, false
+	}
+	return Position{CommitLSN: uint64(lsn), TxIndex: idx}, true
 }
 
 // Publish sends ev asynchronously. done is called exactly once, with nil when
@@ -142,6 +223,14 @@ func (p *Publisher) Open() *Session {
 // abandoned by a Close whose ctx expired. An error returned here means the
 // message was not sent and done will not be called.
 func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
+	if s.p.cfg.ExactlyOnce && s.nextSeq > 0 && !s.last.Less(Position{CommitLSN: uint64(ev.CommitLSN), TxIndex: ev.TxIndex}) {
+		// A replay of an event the stream already holds (at or before its last message).
+		s.skipped++
+		s.p.stats.duplicates.Add(1)
+		s.p.cfg.Metrics.Duplicates.Inc()
+		done(nil)
+		return nil
+	}
 	msg := &nats.Msg{Subject: ev.Subject, Data: ev.Payload, Header: make(nats.Header, 8+len(ev.Headers))}
 	for _, h := range ev.Headers {
 		msg.Header[h.Key] = []string{h.Value} // keep the producer's spelling (traceparent)
@@ -154,7 +243,15 @@ func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
 	msg.Header[HeaderTxIndex] = []string{strconv.Itoa(ev.TxIndex)}
 
 	opts := []jetstream.PublishOpt{jetstream.WithMsgID(ev.ID)}
-	if s.p.cfg.OrderGuard && s.lastID != "" {
+	switch {
+	case s.p.cfg.ExactlyOnce:
+		// Both: the sequence alone could be matched by a message someone
+		// else slipped in after a refused one; the previous id could not.
+		opts = append(opts, jetstream.WithExpectLastSequence(s.nextSeq), jetstream.WithRetryAttempts(0))
+		if s.lastID != "" {
+			opts = append(opts, jetstream.WithExpectLastMsgID(s.lastID))
+		}
+	case s.p.cfg.OrderGuard && s.lastID != "":
 		opts = append(opts, jetstream.WithExpectLastMsgID(s.lastID))
 	}
 	fut, err := s.p.js.PublishMsgAsync(msg, opts...)
@@ -168,6 +265,7 @@ func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
 		return fmt.Errorf("publish to %s: %w", ev.Subject, err)
 	}
 	s.lastID = ev.ID
+	s.nextSeq++
 	s.pending <- pendingAck{fut: fut, done: done, committed: ev.CommitTime}
 	return nil
 }
@@ -208,18 +306,18 @@ func (p *Publisher) classify(err error) error {
 
 // Close waits until every published event's done was called, or ctx ends;
 // in that case the remaining acks are abandoned and their done never runs.
+//
+// Close is idempotent and safe to call from several goroutines; Publish must
+// not be called once Close was.
 func (s *Session) Close(ctx context.Context) error {
-	if !s.closed {
-		s.closed = true
-		close(s.pending)
-	}
+	s.closing.Do(func() { close(s.pending) })
 	finished := make(chan struct{})
 	go func() { s.wg.Wait(); close(finished) }()
 	select {
 	case <-finished:
 		return nil
 	case <-ctx.Done():
-		close(s.quit)
+		s.quitter.Do(func() { close(s.quit) })
 		<-finished
 		return fmt.Errorf("wait for in-flight acks: %w", ctx.Err())
 	}

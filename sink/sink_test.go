@@ -3,6 +3,7 @@ package sink_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -37,7 +38,10 @@ func event(id, agg, typ string) *decoder.Event {
 // publishAll publishes evs in one session and returns each done error.
 func publishAll(t *testing.T, p *sink.Publisher, evs ...*decoder.Event) []error {
 	t.Helper()
-	s := p.Open()
+	s, err := p.Open(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
 	errs := make([]error, len(evs))
 	for i, ev := range evs {
 		i := i
@@ -150,7 +154,11 @@ func TestTooLargeIsPermanent(t *testing.T) {
 	}
 	ev := event("big", "order", "E")
 	ev.Payload = make([]byte, 8000)
-	err := p.Open().Publish(ev, func(error) { t.Error("done called for an unsent message") })
+	sess, err := p.Open(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = sess.Publish(ev, func(error) { t.Error("done called for an unsent message") })
 	var pe *sink.PermanentError
 	if !errors.As(err, &pe) || !strings.Contains(err.Error(), "max_payload") {
 		t.Fatalf("got %v", err)
@@ -192,5 +200,42 @@ func TestCaptures(t *testing.T) {
 		if got := sink.Captures(c.filters, c.pattern); got != c.want {
 			t.Errorf("Captures(%q, %q) = %v, want %v", c.filters, c.pattern, got, c.want)
 		}
+	}
+}
+
+// TestSessionCloseConcurrent: Close may be called again, from another
+// goroutine, while a first Close still waits (a shutdown racing a
+// republish); it must neither panic nor return early.
+func TestSessionCloseConcurrent(t *testing.T) {
+	n := testenv.StartNATS(t)
+	p := newPublisher(t, n, baseConfig())
+	if _, err := p.EnsureStream(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	s, err := p.Open(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 64)
+	for i := 0; i < 64; i++ {
+		if err := s.Publish(event(fmt.Sprint("c-", i), "order", "E"), func(err error) { done <- err }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	errs := make(chan error, 3)
+	for i := 0; i < 3; i++ {
+		go func() {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			errs <- s.Close(ctx)
+		}()
+	}
+	for i := 0; i < 3; i++ {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	if len(done) != 64 {
+		t.Fatalf("%d of 64 acks delivered before Close returned", len(done))
 	}
 }

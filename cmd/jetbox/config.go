@@ -53,6 +53,7 @@ type RunFlags struct {
 	MaxInFlight      string `name:"max-in-flight" env:"JETBOX_MAX_IN_FLIGHT" default:"1024" help:"Events published and not yet acked."`
 	MaxInFlightBytes string `name:"max-in-flight-bytes" env:"JETBOX_MAX_IN_FLIGHT_BYTES" default:"16MiB" help:"Payload bytes published and not yet acked."`
 	PublishTimeout   string `name:"publish-timeout" env:"JETBOX_PUBLISH_TIMEOUT" default:"30s" help:"Wait for one PubAck before the outcome counts as unknown."`
+	Delivery         string `name:"delivery" env:"JETBOX_DELIVERY" default:"dedup" help:"dedup: Nats-Msg-Id dedup within the duplicate window; exactly-once: jetbox is the stream's only writer, publishes expect the last sequence and replays are skipped by position, whatever the window."`
 	OrderGuard       string `name:"order-guard" env:"JETBOX_ORDER_GUARD" default:"true" help:"Send Nats-Expected-Last-Msg-Id so the stream never holds a gap or reordering (needs jetbox to be the stream's only writer)."`
 	StatusInterval   string `name:"status-interval" env:"JETBOX_STATUS_INTERVAL" default:"1s" help:"Standby status update period."`
 	PostgresTimeout  string `name:"postgres-timeout" env:"JETBOX_POSTGRES_TIMEOUT" default:"30s" help:"Reconnect when Postgres sends nothing for this long."`
@@ -242,6 +243,9 @@ func (f *RunFlags) Config() (Config, error) {
 	if err != nil || maxBytes < 1024 {
 		bad("max-in-flight-bytes", f.MaxInFlightBytes, "not a size of at least 1KiB", "use e.g. 16MiB")
 	}
+	if f.Delivery != "dedup" && f.Delivery != "exactly-once" {
+		bad("delivery", f.Delivery, "unknown delivery mode", "use dedup or exactly-once (see the README's guarantees)")
+	}
 	orderGuard, err := strconv.ParseBool(f.OrderGuard)
 	if err != nil {
 		bad("order-guard", f.OrderGuard, "not a boolean", "use true or false")
@@ -271,7 +275,7 @@ func (f *RunFlags) Config() (Config, error) {
 		MonitorInterval:   monitorInterval,
 	}
 	c.Sink = sink.Config{Stream: f.Stream, SubjectPrefix: f.SubjectPrefix, DuplicateWindow: dupWindow,
-		PublishTimeout: publishTimeout, MaxPending: maxInFlight, OrderGuard: orderGuard}
+		PublishTimeout: publishTimeout, MaxPending: maxInFlight, OrderGuard: orderGuard, ExactlyOnce: f.Delivery == "exactly-once"}
 	c.LogLevel, c.LogConsole = level, f.LogFormat == "console"
 	return c, nil
 }

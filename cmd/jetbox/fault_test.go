@@ -58,8 +58,11 @@ func (f *fixture) progress(n uint64, timeout time.Duration) uint64 {
 
 // TestKillLoop SIGKILLs jetbox at random moments under a steady load, starts
 // it again each time, and checks the stream ends with every row once, in order.
-func TestKillLoop(t *testing.T) {
+func TestKillLoop(t *testing.T) { killLoop(t) }
+
+func killLoop(t *testing.T, env ...string) {
 	f := newFixture(t)
+	f.env = append(f.env, env...)
 	o := f.newOracle()
 	p := f.start()
 	f.waitStreaming(p)
@@ -104,8 +107,11 @@ func TestPostgresRestart(t *testing.T) {
 }
 
 // TestNATSRestart restarts the NATS server under load.
-func TestNATSRestart(t *testing.T) {
+func TestNATSRestart(t *testing.T) { natsRestart(t) }
+
+func natsRestart(t *testing.T, env ...string) {
 	f := newFixture(t)
+	f.env = append(f.env, env...)
 	o := f.newOracle()
 	p := f.start()
 	f.waitStreaming(p)

@@ -109,7 +109,13 @@ func newLogger(cfg Config, stdout io.Writer) zerolog.Logger {
 // sinkAdapter lets *sink.Publisher serve as replication.Sink.
 type sinkAdapter struct{ p *sink.Publisher }
 
-func (a sinkAdapter) Open() replication.Session { return a.p.Open() }
+func (a sinkAdapter) Open(ctx context.Context) (replication.Session, error) {
+	s, err := a.p.Open(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return s, nil
+}
 
 // preflight runs every check on both sides (see checkAll). While the only
 // problems are unreachable servers it retries with backoff, so jetbox can

@@ -187,6 +187,7 @@ func (c *Cluster) Start(ctx context.Context) error {
 	}
 	cmd := exec.Command(filepath.Join(c.opts.BinDir, "postgres"), args...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: c.cred, Setpgid: true}
+	cmd.Dir = c.dir // a directory the server's user may enter
 	cmd.Stdout, cmd.Stderr = logf, logf
 	if err := cmd.Start(); err != nil {
 		logf.Close()
