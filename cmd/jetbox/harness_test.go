@@ -259,7 +259,10 @@ func (f *fixture) slotState() (pglogrepl.LSN, bool, error) {
 	defer conn.Close(ctx)
 	var lsn string
 	var active bool
-	err = conn.QueryRow(ctx, "SELECT coalesce(confirmed_flush_lsn::text,'0/0'), active FROM pg_replication_slots WHERE slot_name = 'jetbox'").Scan(&lsn, &active)
+	// Active means a walsender streams it (a backend creating the slot holds it too).
+	err = conn.QueryRow(ctx, `SELECT coalesce(s.confirmed_flush_lsn::text,'0/0'),
+		EXISTS (SELECT 1 FROM pg_stat_replication r WHERE r.pid = s.active_pid)
+		FROM pg_replication_slots s WHERE s.slot_name = 'jetbox'`).Scan(&lsn, &active)
 	if err != nil {
 		return 0, false, err
 	}

@@ -132,17 +132,21 @@ func preflight(ctx context.Context, cfg Config, log zerolog.Logger) (*nats.Conn,
 					log.Warn().Str("check", f.Check).Str("fix", f.Fix).Msg(f.What)
 				}
 			}
-			sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-			defer cancel()
-			if err := replication.Ensure(sctx, cfg.PostgresURL, cfg.Replication, log); err != nil {
-				r.nc.Close()
-				return nil, nil, err
+			err := ensureAll(ctx, cfg, r.pub, log)
+			if err == nil {
+				return r.nc, r.pub, nil
 			}
-			if _, err := r.pub.EnsureStream(sctx); err != nil {
-				r.nc.Close()
-				return nil, nil, err
+			// A server went away between the checks and the creations (or
+			// another instance raced us): check everything again.
+			r.nc.Close()
+			wait := bo.NextBackOff()
+			log.Warn().Err(err).Dur("backoff", wait).Msg("set-up interrupted, checking again")
+			select {
+			case <-ctx.Done():
+				return nil, nil, ctx.Err()
+			case <-time.After(wait):
 			}
-			return r.nc, r.pub, nil
+			continue
 		}
 		if r.nc != nil {
 			r.nc.Close()
@@ -160,6 +164,17 @@ func preflight(ctx context.Context, cfg Config, log zerolog.Logger) (*nats.Conn,
 		}
 		return nil, nil, errors.Join(errs...)
 	}
+}
+
+// ensureAll creates what the checks found missing on both sides.
+func ensureAll(ctx context.Context, cfg Config, pub *sink.Publisher, log zerolog.Logger) error {
+	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	if err := replication.Ensure(sctx, cfg.PostgresURL, cfg.Replication, log); err != nil {
+		return err
+	}
+	_, err := pub.EnsureStream(sctx)
+	return err
 }
 
 func connectNATS(cfg Config, log zerolog.Logger) (*nats.Conn, error) {
