@@ -28,14 +28,8 @@ type demoCmd struct {
 	Once     bool          `help:"Exit once the sample orders arrived (for scripts), instead of running until Ctrl-C."`
 }
 
-const demoSchema = `
-CREATE TABLE orders (
-  id       bigserial   PRIMARY KEY,
-  customer text        NOT NULL,
-  total    numeric     NOT NULL,
-  placed   timestamptz NOT NULL DEFAULT now()
-);
-CREATE TABLE public.outbox (
+// outboxDDL is the default outbox contract (the README's DDL).
+const outboxDDL = `CREATE TABLE public.outbox (
   id             uuid        PRIMARY KEY DEFAULT gen_random_uuid(),
   aggregate_type text        NOT NULL,
   aggregate_id   text        NOT NULL,
@@ -43,7 +37,16 @@ CREATE TABLE public.outbox (
   payload        jsonb       NOT NULL,
   headers        jsonb,
   created_at     timestamptz NOT NULL DEFAULT now()
-);`
+)`
+
+// demoSchema is the demo's business table and the outbox.
+const demoSchema = `CREATE TABLE orders (
+  id       bigserial   PRIMARY KEY,
+  customer text        NOT NULL,
+  total    numeric     NOT NULL,
+  placed   timestamptz NOT NULL DEFAULT now()
+);
+` + outboxDDL
 
 // demoOrder writes a business row and its outbox row in one transaction.
 const demoOrder = `WITH o AS (

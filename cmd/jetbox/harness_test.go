@@ -47,16 +47,6 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-const outboxDDL = `CREATE TABLE public.outbox (
-  id             uuid        PRIMARY KEY DEFAULT gen_random_uuid(),
-  aggregate_type text        NOT NULL,
-  aggregate_id   text        NOT NULL,
-  event_type     text        NOT NULL,
-  payload        jsonb       NOT NULL,
-  headers        jsonb,
-  created_at     timestamptz NOT NULL DEFAULT now()
-)`
-
 // fixture is one Postgres, one NATS server and the outbox table.
 type fixture struct {
 	t      testing.TB

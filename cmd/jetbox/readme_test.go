@@ -14,6 +14,9 @@ func TestREADMEConfigTable(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	if !strings.Contains(string(readme), outboxDDL) {
+		t.Error("the README's outbox DDL differs from the one the demo and the tests use")
+	}
 	rt := reflect.TypeOf(RunFlags{})
 	for i := 0; i < rt.NumField(); i++ {
 		f := rt.Field(i)
