@@ -116,7 +116,7 @@ func (d *demoCmd) run(ctx context.Context, stdout, stderr io.Writer) int {
 		var k *kong.Kong
 		if k, err = kong.New(&c, kong.Name("jetbox")); err == nil {
 			_, err = k.Parse([]string{"run", "--postgres-url=" + cluster.DSN, "--nats-url=" + natsURL,
-				"--http-addr=" + httpAddr, "--log-format=console", "--log-level=warn"})
+				"--http-addr=" + httpAddr, "--duplicate-window=10m", "--log-format=console", "--log-level=warn"})
 		}
 	}
 	if err != nil {
