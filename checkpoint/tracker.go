@@ -156,6 +156,14 @@ func (t *Tracker) Commit(end pglogrepl.LSN) {
 		}
 		return
 	}
+	// Consecutive commits (transactions without events, e.g. the empty ones
+	// of Postgres < 15) collapse into one marker: the window stays bounded.
+	if last := &t.entries[len(t.entries)-1]; last.commit {
+		if end > last.end {
+			last.end = end
+		}
+		return
+	}
 	t.entries = append(t.entries, entry{commit: true, end: end})
 }
 

@@ -292,3 +292,21 @@ func BenchmarkTrackPipelined(b *testing.B) {
 		}
 	}
 }
+
+func TestConsecutiveCommitsCollapse(t *testing.T) {
+	tr := New(0, 10, 0)
+	e := add(t, tr, nil)
+	for lsn := pglogrepl.LSN(100); lsn <= 1000; lsn += 100 {
+		tr.Commit(lsn) // empty transactions behind a pending event
+	}
+	tr.mu.Lock()
+	n := len(tr.entries)
+	tr.mu.Unlock()
+	if n != 2 {
+		t.Fatalf("%d entries for one event and ten commits, want 2", n)
+	}
+	tr.Done(e)
+	if tr.Safe() != 1000 {
+		t.Fatalf("Safe() = %s", tr.Safe())
+	}
+}

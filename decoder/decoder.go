@@ -86,6 +86,9 @@ type Event struct {
 	CommitTime    time.Time
 	TxIndex       int // position of the row in its transaction, from 0
 	XID           uint32
+	// Source identifies the WAL history the event comes from
+	// ("<system id>/<timeline>/<database>/<slot>"); set by replication.
+	Source string
 }
 
 // Header is one user header copied from the row's headers column.

@@ -58,7 +58,8 @@ func (c Config) quotedTable() string {
 // one after publish failures. Open may fail (the stream is unreachable); an
 // error that implements Permanent() true stops jetbox.
 type Sink interface {
-	Open(ctx context.Context) (Session, error)
+	// Open starts a session for events from source (see decoder.Event.Source).
+	Open(ctx context.Context, source string) (Session, error)
 }
 
 // Session publishes the events of one replication session.
@@ -255,23 +256,30 @@ func (s *Streamer) session(ctx context.Context) (err error) {
 	if err != nil {
 		return err
 	}
+	sys, err := pglogrepl.IdentifySystem(sctx, conn)
+	if err != nil {
+		return fmt.Errorf("identify system: %w", err)
+	}
+	source := fmt.Sprintf("%s/%d/%s/%s", sys.SystemID, sys.Timeline, sys.DBName, s.cfg.Slot)
+	// Open the sink before streaming starts: no walsender waits on us yet.
+	sess, err := s.sink.Open(sctx, source)
+	if err != nil {
+		return fmt.Errorf("open publishing session: %w", err)
+	}
 	args := []string{"proto_version '1'", "publication_names " + quoteLiteral(quoteIdent(s.cfg.Publication))}
 	// Start at 0/0: the server resumes from the slot's confirmed_flush_lsn.
 	if err := pglogrepl.StartReplication(sctx, conn, quoteIdent(s.cfg.Slot), 0,
 		pglogrepl.StartReplicationOptions{Mode: pglogrepl.LogicalReplication, PluginArgs: args}); err != nil {
+		_ = sess.Close(context.WithoutCancel(ctx))
 		return fmt.Errorf("start replication on slot %q: %w", s.cfg.Slot, err)
 	}
 	log := s.log.With().Str("publication", s.cfg.Publication).Logger()
 	if s.State() == metrics.StateStandby {
 		log.Info().Str("confirmed_lsn", start.String()).Msg("took over the slot")
 	}
-	log.Info().Str("confirmed_lsn", start.String()).Msg("streaming")
+	log.Info().Str("confirmed_lsn", start.String()).Str("source", source).Msg("streaming")
 	s.setState(metrics.StateStreaming)
 
-	sess, err := s.sink.Open(ctx)
-	if err != nil {
-		return fmt.Errorf("open publishing session: %w", err)
-	}
 	l := &loop{
 		s:       s,
 		conn:    conn,
@@ -279,6 +287,7 @@ func (s *Streamer) session(ctx context.Context) (err error) {
 		tracker: checkpoint.New(start, s.cfg.MaxInFlight, s.cfg.MaxInFlightBytes),
 		dec:     decoder.New(s.cfg.Decoder),
 		sess:    sess,
+		source:  source,
 	}
 	s.sent.Store(uint64(start))
 	err = l.run(ctx)
@@ -313,6 +322,7 @@ type loop struct {
 	tracker *checkpoint.Tracker
 	dec     *decoder.Decoder
 	sess    Session
+	source  string
 
 	nextStatus time.Time
 	deadline   time.Time // read deadline currently set on the socket
@@ -413,6 +423,7 @@ func (l *loop) handle(ctx context.Context, data []byte) error {
 		}
 		switch msg.Kind {
 		case decoder.KindEvent:
+			msg.Event.Source = l.source
 			return l.publish(ctx, &msg.Event)
 		case decoder.KindCommit:
 			l.tracker.Commit(msg.EndLSN)
@@ -502,7 +513,7 @@ func (l *loop) republish(ctx context.Context, failed int, cause error) error {
 		if err := l.idle(ctx, time.Now().Add(wait)); err != nil {
 			return err
 		}
-		sess, err := l.s.sink.Open(ctx)
+		sess, err := l.openSession(ctx)
 		if err != nil {
 			if IsPermanent(err) || ctx.Err() != nil {
 				return err
@@ -544,6 +555,31 @@ func (l *loop) republish(ctx context.Context, failed int, cause error) error {
 	}
 }
 
+// openSession opens a sink session while keeping status updates flowing
+// (exactly-once mode reads the stream first, which may take a while).
+func (l *loop) openSession(ctx context.Context) (Session, error) {
+	type result struct {
+		s   Session
+		err error
+	}
+	done := make(chan result, 1)
+	go func() { s, err := l.s.sink.Open(ctx, l.source); done <- result{s, err} }()
+	for {
+		select {
+		case r := <-done:
+			return r.s, r.err
+		case <-time.After(time.Until(l.nextStatus)):
+			if err := l.sendStatus(false); err != nil {
+				r := <-done
+				if r.s != nil {
+					_ = r.s.Close(context.WithoutCancel(ctx))
+				}
+				return nil, err
+			}
+		}
+	}
+}
+
 // closeSession waits up to timeout for the sink session's acks, sending
 // status updates meanwhile, then fails whatever is still in flight. It
 // returns only once the session is closed; a status update that fails
@@ -551,6 +587,9 @@ func (l *loop) republish(ctx context.Context, failed int, cause error) error {
 func (l *loop) closeSession(ctx context.Context, timeout time.Duration) error {
 	dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), timeout)
 	defer cancel()
+	// A stop while waiting gets --shutdown-timeout, not the whole timeout.
+	stopAfter := context.AfterFunc(ctx, func() { time.AfterFunc(l.s.cfg.ShutdownTimeout, cancel) })
+	defer stopAfter()
 	done := make(chan error, 1)
 	go func() { done <- l.sess.Close(dctx) }()
 	var statusErr error

@@ -36,6 +36,7 @@ const (
 	HeaderCommitLSN     = "Jetbox-Commit-LSN"
 	HeaderCommitTime    = "Jetbox-Commit-Time"
 	HeaderTxIndex       = "Jetbox-Tx-Index"
+	HeaderSource        = "Jetbox-Source" // <system id>/<timeline>/<database>/<slot>
 )
 
 // CommitTimeLayout is the format of Jetbox-Commit-Time: RFC 3339 in UTC with
@@ -129,6 +130,7 @@ type Session struct {
 	quitter sync.Once // closes quit
 
 	// exactly-once mode
+	source  string   // this writer's WAL history
 	nextSeq uint64   // the stream's last sequence before the next publish
 	last    Position // position of the stream's last message
 	skipped uint64
@@ -155,8 +157,11 @@ type pendingAck struct {
 // Open starts a session; Close it to wait for its acks. In exactly-once mode
 // it first reads the stream's last message: its position is where this
 // session resumes, and its sequence the base of the expected sequences.
-func (p *Publisher) Open(ctx context.Context) (*Session, error) {
-	s := &Session{p: p, pending: make(chan pendingAck, p.cfg.MaxPending+1), quit: make(chan struct{})}
+//
+// source identifies this writer's WAL history (see decoder.Event.Source):
+// exactly-once mode refuses to resume after a message from another one.
+func (p *Publisher) Open(ctx context.Context, source string) (*Session, error) {
+	s := &Session{p: p, pending: make(chan pendingAck, p.cfg.MaxPending+1), quit: make(chan struct{}), source: source}
 	if p.cfg.ExactlyOnce {
 		if err := s.resume(ctx); err != nil {
 			return nil, err
@@ -198,6 +203,10 @@ func (s *Session) resume(ctx context.Context) error {
 	if !ok {
 		return &PermanentError{Err: fmt.Errorf("exactly-once: %w (seq %d, subject %s)", ErrForeignMessage, s.nextSeq, m.Subject),
 			Hint: "exactly-once mode needs jetbox to be the stream's only writer: stop the other publisher (or use --delivery=dedup), then restart jetbox"}
+	}
+	if got := m.Header.Get(HeaderSource); got != s.source {
+		return &PermanentError{Err: fmt.Errorf("exactly-once: the stream's last message (seq %d) comes from %q, this jetbox reads %q", s.nextSeq, got, s.source),
+			Hint: "positions from another database, slot, cluster or timeline (a failover, a PITR) are not comparable: give each jetbox its own stream; after a failover check the stream against the table, then use --delivery=dedup or a new stream"}
 	}
 	s.last = pos
 	s.lastID = m.Header.Get(jetstream.MsgIDHeader)
@@ -241,8 +250,12 @@ func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
 	msg.Header[HeaderCommitLSN] = []string{ev.CommitLSN.String()}
 	msg.Header[HeaderCommitTime] = []string{ev.CommitTime.UTC().Format(CommitTimeLayout)}
 	msg.Header[HeaderTxIndex] = []string{strconv.Itoa(ev.TxIndex)}
+	if ev.Source != "" {
+		msg.Header[HeaderSource] = []string{ev.Source}
+	}
 
-	opts := []jetstream.PublishOpt{jetstream.WithMsgID(ev.ID)}
+	// ExpectStream: an ack from another stream that took over the subjects is an error.
+	opts := []jetstream.PublishOpt{jetstream.WithMsgID(ev.ID), jetstream.WithExpectStream(s.p.cfg.Stream)}
 	switch {
 	case s.p.cfg.ExactlyOnce:
 		// Both: the sequence alone could be matched by a message someone

@@ -38,7 +38,7 @@ func event(id, agg, typ string) *decoder.Event {
 // publishAll publishes evs in one session and returns each done error.
 func publishAll(t *testing.T, p *sink.Publisher, evs ...*decoder.Event) []error {
 	t.Helper()
-	s, err := p.Open(context.Background())
+	s, err := p.Open(context.Background(), "test")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -154,7 +154,7 @@ func TestTooLargeIsPermanent(t *testing.T) {
 	}
 	ev := event("big", "order", "E")
 	ev.Payload = make([]byte, 8000)
-	sess, err := p.Open(context.Background())
+	sess, err := p.Open(context.Background(), "test")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -212,7 +212,7 @@ func TestSessionCloseConcurrent(t *testing.T) {
 	if _, err := p.EnsureStream(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	s, err := p.Open(context.Background())
+	s, err := p.Open(context.Background(), "test")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -237,5 +237,42 @@ func TestSessionCloseConcurrent(t *testing.T) {
 	}
 	if len(done) != 64 {
 		t.Fatalf("%d of 64 acks delivered before Close returned", len(done))
+	}
+}
+
+// TestExactlyOnceRefusesAnotherSource: positions from another WAL history
+// (another database, slot, cluster or timeline) are not comparable, so
+// exactly-once mode refuses to resume after them instead of skipping events.
+func TestExactlyOnceRefusesAnotherSource(t *testing.T) {
+	n := testenv.StartNATS(t)
+	cfg := baseConfig()
+	cfg.ExactlyOnce = true
+	p := newPublisher(t, n, cfg)
+	if _, err := p.EnsureStream(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	s, err := p.Open(context.Background(), "sys/1/app/jetbox")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ev := event("id-1", "order", "E")
+	ev.Source = "sys/1/app/jetbox"
+	done := make(chan error, 1)
+	if err := s.Publish(ev, func(err error) { done <- err }); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	_ = s.Close(context.Background())
+	if s, err := p.Open(context.Background(), "sys/1/app/jetbox"); err != nil {
+		t.Fatalf("same source refused: %v", err)
+	} else {
+		_ = s.Close(context.Background())
+	}
+	_, err = p.Open(context.Background(), "sys/2/app/jetbox") // a new timeline after a failover
+	var pe *sink.PermanentError
+	if !errors.As(err, &pe) || !strings.Contains(err.Error(), "not comparable") {
+		t.Fatalf("another source accepted: %v", err)
 	}
 }

@@ -217,7 +217,8 @@ func (f *RunFlags) Config() (Config, error) {
 	}
 
 	dupWindow := dur("duplicate-window", f.DuplicateWindow, time.Second, 0)
-	publishTimeout := dur("publish-timeout", f.PublishTimeout, 100*time.Millisecond, 10*time.Minute)
+	// Below the 2-minute bound jetbox waits for a session's acks before republishing.
+	publishTimeout := dur("publish-timeout", f.PublishTimeout, 100*time.Millisecond, 90*time.Second)
 	statusInterval := dur("status-interval", f.StatusInterval, 10*time.Millisecond, 10*time.Second)
 	pgTimeout := dur("postgres-timeout", f.PostgresTimeout, time.Second, 10*time.Minute)
 	shutdownTimeout := dur("shutdown-timeout", f.ShutdownTimeout, 0, 10*time.Minute)

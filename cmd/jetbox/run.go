@@ -65,6 +65,9 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 	if ops != nil {
 		ops.streamer.Store(streamer)
 	}
+	if !cfg.Sink.OrderGuard && !cfg.Sink.ExactlyOnce {
+		log.Warn().Msg("--order-guard=false: after a lost publish, later events may be stored before it is republished (out of commit order)")
+	}
 	err = streamer.Run(ctx)
 	st := pub.Stats()
 	ev := log.Info()
@@ -109,8 +112,8 @@ func newLogger(cfg Config, stdout io.Writer) zerolog.Logger {
 // sinkAdapter lets *sink.Publisher serve as replication.Sink.
 type sinkAdapter struct{ p *sink.Publisher }
 
-func (a sinkAdapter) Open(ctx context.Context) (replication.Session, error) {
-	s, err := a.p.Open(ctx)
+func (a sinkAdapter) Open(ctx context.Context, source string) (replication.Session, error) {
+	s, err := a.p.Open(ctx, source)
 	if err != nil {
 		return nil, err
 	}
