@@ -289,13 +289,35 @@ func (f *fixture) waitCount(n int, timeout time.Duration) {
 			return err
 		}
 		if got > uint64(n) {
-			f.t.Fatalf("stream holds %d messages, want %d", got, n)
+			f.t.Fatalf("stream holds %d messages, want %d; %s", got, n, f.describeExtra())
 		}
 		if got != uint64(n) {
 			return fmt.Errorf("stream holds %d of %d messages", got, n)
 		}
 		return nil
 	})
+}
+
+// describeExtra names the ids stored more than once, for a failure message.
+func (f *fixture) describeExtra() string {
+	msgs := testenv.ReadStream(f.t, f.js, "OUTBOX", true)
+	first := map[string]testenv.StreamMsg{}
+	var out []string
+	for _, m := range msgs {
+		if p, dup := first[m.ID]; dup {
+			out = append(out, fmt.Sprintf("id %s at seq %d and %d (commit %s/%s, tx index %s/%s)", m.ID, p.Seq, m.Seq,
+				p.Header.Get("Jetbox-Commit-LSN"), m.Header.Get("Jetbox-Commit-LSN"), p.Header.Get("Jetbox-Tx-Index"), m.Header.Get("Jetbox-Tx-Index")))
+			continue
+		}
+		first[m.ID] = m
+	}
+	if len(out) == 0 {
+		return "no id is stored twice"
+	}
+	if len(out) > 5 {
+		out = append(out[:5], fmt.Sprintf("... %d in all", len(out)))
+	}
+	return strings.Join(out, "; ")
 }
 
 // assertStream checks the stream holds exactly want, once each, in this order.

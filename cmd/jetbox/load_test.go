@@ -55,9 +55,13 @@ func (f *fixture) startLoad(writers int, pace time.Duration, maxTxns int) *load 
 					conn = c
 				}
 				n := 1 + rng.Intn(5)
-				_, err := conn.Exec(ctx, `INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+				// Not ctx: a cancelled statement may still commit on the
+				// server after the client gave up, after the oracle was read.
+				sctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+				_, err := conn.Exec(sctx, `INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
 					SELECT 'order', $1, 'OrderCreated', jsonb_build_object('writer', $2::int, 'n', g) FROM generate_series(1, $3) g`,
 					fmt.Sprintf("w%d", w), w, n)
+				cancel()
 				if err != nil {
 					l.fail(err)
 					conn.Close(context.Background())
