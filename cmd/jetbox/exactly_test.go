@@ -21,13 +21,7 @@ const exactlyOnce = "JETBOX_DELIVERY=exactly-once"
 func TestExactlyOnceBeyondDuplicateWindow(t *testing.T) {
 	for _, mode := range []string{"exactly-once", "dedup"} {
 		t.Run(mode, func(t *testing.T) {
-			f := newFixture(t)
-			f.env = append(f.env, "JETBOX_DUPLICATE_WINDOW=1s", "JETBOX_DELIVERY="+mode)
-			o := f.newOracle()
-			p := f.start()
-			f.waitStreaming(p)
-			l := f.startLoad(2, 5*time.Millisecond, 1_000_000)
-			defer l.stop()
+			f, o, p, l := underLoad(t, 2, "JETBOX_DUPLICATE_WINDOW=1s", "JETBOX_DELIVERY="+mode)
 			var count uint64
 			rewound := false
 			for i := 0; i < 3 && !rewound; i++ {

@@ -56,18 +56,26 @@ func (f *fixture) progress(n uint64, timeout time.Duration) uint64 {
 	return got
 }
 
-// TestKillLoop SIGKILLs jetbox at random moments under a steady load, starts
-// it again each time, and checks the stream ends with every row once, in order.
-func TestKillLoop(t *testing.T) { killLoop(t) }
-
-func killLoop(t *testing.T, env ...string) {
+// underLoad starts a fixture with an oracle, a streaming jetbox (env added
+// to the defaults) and writers committing a transaction of 1-5 rows about
+// every 5ms each. Stop the load with f.finish or l.stop.
+func underLoad(t *testing.T, writers int, env ...string) (*fixture, *oracle, *proc, *load) {
 	f := newFixture(t)
 	f.env = append(f.env, env...)
 	o := f.newOracle()
 	p := f.start()
 	f.waitStreaming(p)
-	l := f.startLoad(3, 5*time.Millisecond, 1_000_000)
-	defer l.stop()
+	l := f.startLoad(writers, 5*time.Millisecond, 1_000_000)
+	t.Cleanup(l.stop)
+	return f, o, p, l
+}
+
+// TestKillLoop SIGKILLs jetbox at random moments under a steady load, starts
+// it again each time, and checks the stream ends with every row once, in order.
+func TestKillLoop(t *testing.T) { killLoop(t) }
+
+func killLoop(t *testing.T, env ...string) {
+	f, o, p, l := underLoad(t, 3, env...)
 
 	kills := envInt("JETBOX_KILL_LOOPS", 25)
 	seed := time.Now().UnixNano()
@@ -89,12 +97,7 @@ func killLoop(t *testing.T, env ...string) {
 // TestPostgresRestart restarts Postgres (fast, then immediate: a crash that
 // rewinds the slot to its last checkpoint) under load.
 func TestPostgresRestart(t *testing.T) {
-	f := newFixture(t)
-	o := f.newOracle()
-	p := f.start()
-	f.waitStreaming(p)
-	l := f.startLoad(2, 5*time.Millisecond, 1_000_000)
-	defer l.stop()
+	f, o, p, l := underLoad(t, 2)
 	var count uint64
 	for _, mode := range []string{"fast", "immediate", "immediate", "fast"} {
 		count = f.progress(count, time.Minute)
@@ -110,13 +113,7 @@ func TestPostgresRestart(t *testing.T) {
 func TestNATSRestart(t *testing.T) { natsRestart(t) }
 
 func natsRestart(t *testing.T, env ...string) {
-	f := newFixture(t)
-	f.env = append(f.env, env...)
-	o := f.newOracle()
-	p := f.start()
-	f.waitStreaming(p)
-	l := f.startLoad(2, 5*time.Millisecond, 1_000_000)
-	defer l.stop()
+	f, o, p, l := underLoad(t, 2, env...)
 	var count uint64
 	for i := 0; i < 4; i++ {
 		count = f.progress(count, time.Minute)
