@@ -123,9 +123,9 @@ func (c *checkCmd) run(ctx context.Context, stdout, stderr io.Writer) int {
 		}{!fatal, r.findings})
 	} else {
 		for _, f := range r.findings {
-			fmt.Fprintf(stdout, "%-8s %-30s %s\n", strings.ToUpper(string(f.Severity)), f.Check, f.What)
+			fmt.Fprintf(stdout, "%-8s %-32s %s\n", strings.ToUpper(string(f.Severity)), f.Check, f.What)
 			if f.Fix != "" {
-				fmt.Fprintf(stdout, "%-8s %-30s fix: %s\n", "", "", f.Fix)
+				fmt.Fprintf(stdout, "%-8s %-32s fix: %s\n", "", "", f.Fix)
 			}
 		}
 		n := 0

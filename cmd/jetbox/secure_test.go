@@ -105,6 +105,7 @@ func TestCheckCommand(t *testing.T) {
 		t.Fatalf("exit %d:\n%s%s", code, out.String(), errOut.String())
 	}
 	text := out.String()
+	t.Logf("jetbox check output:\n%s", text)
 	for _, want := range []string{`column "id" is int8`, `column "aggregate_id" is missing`, `column "payload" is xml`,
 		`do not capture "outbox.>"`, "duplicate window 1m0s is shorter than --max-outage 10m0s", "1 replica", "fix:", "problem(s) to fix"} {
 		if !strings.Contains(text, want) {
