@@ -46,14 +46,19 @@ func TestNATSTLSAndPassword(t *testing.T) {
 		t.Fatalf("missing client certificate: exit %d:\n%s", code, noTLS.logText())
 	}
 
-	p := f.start("JETBOX_NATS_PASSWORD=n4ts-s3cret")
+	f.forwardsWithoutLeaking(f.start("JETBOX_NATS_PASSWORD=n4ts-s3cret"), "n4ts-s3cret", 5)
+}
+
+// forwardsWithoutLeaking checks p forwards n rows and its log never shows secret.
+func (f *fixture) forwardsWithoutLeaking(p *proc, secret string, n int) {
+	f.t.Helper()
 	f.waitStreaming(p)
-	want := f.insertTx(f.conn(), "tls", 5)
-	f.waitCount(5, 30*time.Second)
+	want := f.insertTx(f.conn(), "secure", n)
+	f.waitCount(n, 30*time.Second)
 	f.assertStream(want)
 	p.stop()
-	if strings.Contains(p.logText(), "n4ts-s3cret") {
-		t.Fatal("the NATS password appears in jetbox's log")
+	if strings.Contains(p.logText(), secret) {
+		f.t.Fatalf("the password %q appears in jetbox's log", secret)
 	}
 }
 
@@ -81,15 +86,7 @@ func TestPostgresPasswordNeverLogged(t *testing.T) {
 		t.Fatalf("wrong password not reported clearly (or leaked):\n%s", log)
 	}
 	f.pgURL = fmt.Sprintf(base, "pg-s3cret-pw")
-	p := f.start()
-	f.waitStreaming(p)
-	want := f.insertTx(f.conn(), "pw", 3)
-	f.waitCount(3, 30*time.Second)
-	f.assertStream(want)
-	p.stop()
-	if strings.Contains(p.logText(), "pg-s3cret-pw") {
-		t.Fatal("the Postgres password appears in jetbox's log")
-	}
+	f.forwardsWithoutLeaking(f.start(), "pg-s3cret-pw", 3)
 }
 
 // TestCheckCommand: `jetbox check` reports every problem of both sides in one
