@@ -43,6 +43,7 @@ type entry struct {
 	size    int           // bytes the event holds while in the window
 	end     pglogrepl.LSN // of a commit marker: the transaction end LSN
 	payload any           // what Add was given, handed back by Requeue
+	err     error         // why a failed event failed
 }
 
 // Tracker is safe for concurrent use: one goroutine adds events and commits,
@@ -190,7 +191,7 @@ func (t *Tracker) Fail(ticket Ticket, err error) {
 	if e == nil {
 		return
 	}
-	e.state = failed
+	e.state, e.err = failed, err
 	t.pending--
 	t.failed++
 	if t.lastErr == nil {
@@ -217,7 +218,7 @@ func (t *Tracker) FailPending(err error) {
 	defer t.mu.Unlock()
 	for i := range t.entries {
 		if e := &t.entries[i]; !e.commit && e.state == pending {
-			e.state = failed
+			e.state, e.err = failed, err
 			t.failed++
 			if t.lastErr == nil {
 				t.lastErr = err
@@ -240,6 +241,7 @@ func (t *Tracker) Failures() (int, error) {
 type Retry struct {
 	Ticket  Ticket
 	Payload any
+	Err     error // why it failed
 }
 
 // Requeue returns the failed events in window order and puts them back in
@@ -250,8 +252,8 @@ func (t *Tracker) Requeue() []Retry {
 	out := make([]Retry, 0, t.failed)
 	for i := range t.entries {
 		if e := &t.entries[i]; !e.commit && e.state == failed {
-			e.state = pending
-			out = append(out, Retry{Ticket: t.base + Ticket(i), Payload: e.payload})
+			out = append(out, Retry{Ticket: t.base + Ticket(i), Payload: e.payload, Err: e.err})
+			e.state, e.err = pending, nil
 		}
 	}
 	t.pending += len(out)

@@ -51,6 +51,13 @@ type Config struct {
 	Table         string // e.g. "outbox"
 	Columns       Columns
 	SubjectPrefix string // e.g. "outbox"
+	// DeadLetterSubject, when set, turns a row that cannot be published into
+	// a dead letter on <DeadLetterSubject>.<reason> (see DeadLetter) instead
+	// of an error. Empty: Decode returns the *InvalidEventError (stop).
+	DeadLetterSubject string
+	// MaxMessageSize is the largest message the server and the stream take
+	// (see Event.WireSize); a larger row is invalid (ReasonTooLarge). 0: no check.
+	MaxMessageSize int
 }
 
 // Kind says what a decoded message means to the forwarder.
@@ -89,6 +96,11 @@ type Event struct {
 	// Source identifies the WAL history the event comes from
 	// ("<system id>/<timeline>/<database>/<slot>"); set by replication.
 	Source string
+	// DeadLetter is set on a dead letter: why the row it stands for could
+	// not be published.
+	DeadLetter *InvalidEventError
+
+	rawHeaders string // the headers column when it was the problem
 }
 
 // Header is one user header copied from the row's headers column.
@@ -197,9 +209,12 @@ func (d *Decoder) decodeInsert(src []byte) (Message, error) {
 		return Message{}, err
 	}
 	ev := Event{CommitLSN: d.commitLSN, CommitTime: d.commitTime, TxIndex: index, XID: d.xid}
-	if err := rel.fill(&ev, cols, d.cfg.SubjectPrefix); err != nil {
+	if err := rel.fill(&ev, cols, &d.cfg); err != nil {
 		err.LSN, err.TxIndex = d.commitLSN, index
-		return Message{}, err
+		if d.cfg.DeadLetterSubject == "" || !err.DeadLetterable() {
+			return Message{}, err
+		}
+		return Message{Kind: KindEvent, Event: d.cfg.DeadLetter(&ev, err)}, nil
 	}
 	return Message{Kind: KindEvent, Event: ev}, nil
 }

@@ -103,7 +103,7 @@ func TestDecodeTransaction(t *testing.T) {
 	if m := decode(t, d, beginMsg(0x1000, at, 42)); m.Kind != KindBegin || !d.InTransaction() {
 		t.Fatalf("begin: %+v", m)
 	}
-	m := decode(t, d, insertMsg(16384, s(id1), s("order"), s("o-1"), s("OrderCreated"), s(`{"a": 1}`), s(`{"traceparent": "00-1", "n": 2}`), s("2026-12-01")))
+	m := decode(t, d, insertMsg(16384, s(id1), s("order"), s("o-1"), s("OrderCreated"), s(`{"a": 1}`), s(`{"traceparent": "00-1", "n": null}`), s("2026-12-01")))
 	if m.Kind != KindEvent {
 		t.Fatalf("insert: %+v", m)
 	}
@@ -159,18 +159,19 @@ func TestInvalidRows(t *testing.T) {
 		values  []*string
 		wantID  string
 		wantErr string
+		code    string
 	}{
-		{"null id", []*string{nil, s("order"), s("1"), s("E"), s("{}"), nil, nil}, "", `column "id" is NULL`},
-		{"null payload", []*string{s(id1), s("order"), s("1"), s("E"), nil, nil, nil}, id1, "payload is NULL"},
-		{"space in aggregate_type", []*string{s(id1), s("big order"), s("1"), s("E"), s("{}"), nil, nil}, id1, "aggregate_type"},
-		{"dot in event_type", []*string{s(id1), s("order"), s("1"), s("a.b"), s("{}"), nil, nil}, id1, "event_type"},
-		{"wildcard", []*string{s(id1), s("*"), s("1"), s("E"), s("{}"), nil, nil}, id1, "reserve"},
-		{"empty event_type", []*string{s(id1), s("order"), s("1"), s(""), s("{}"), nil, nil}, id1, "empty"},
-		{"control byte", []*string{s(id1), s("or\x01der"), s("1"), s("E"), s("{}"), nil, nil}, id1, "control"},
-		{"headers not an object", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`[1]`), nil}, id1, "not a JSON object"},
-		{"reserved header", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`{"Nats-Msg-Id": "x"}`), nil}, id1, "reserved"},
-		{"header with CRLF", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`{"a": "x\r\nb: y"}`), nil}, id1, "control"},
-		{"bad header name", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`{"a b": "x"}`), nil}, id1, "header name"},
+		{"null id", []*string{nil, s("order"), s("1"), s("E"), s("{}"), nil, nil}, "", `column "id" is NULL`, ReasonBadID},
+		{"null payload", []*string{s(id1), s("order"), s("1"), s("E"), nil, nil, nil}, id1, "payload is NULL", ReasonNullPayload},
+		{"space in aggregate_type", []*string{s(id1), s("big order"), s("1"), s("E"), s("{}"), nil, nil}, id1, "aggregate_type", ReasonBadSubject},
+		{"dot in event_type", []*string{s(id1), s("order"), s("1"), s("a.b"), s("{}"), nil, nil}, id1, "event_type", ReasonBadSubject},
+		{"wildcard", []*string{s(id1), s("*"), s("1"), s("E"), s("{}"), nil, nil}, id1, "reserve", ReasonBadSubject},
+		{"empty event_type", []*string{s(id1), s("order"), s("1"), s(""), s("{}"), nil, nil}, id1, "empty", ReasonBadSubject},
+		{"control byte", []*string{s(id1), s("or\x01der"), s("1"), s("E"), s("{}"), nil, nil}, id1, "control", ReasonBadSubject},
+		{"headers not an object", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`[1]`), nil}, id1, "not a JSON object", ReasonBadHeaders},
+		{"reserved header", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`{"Nats-Msg-Id": "x"}`), nil}, id1, "reserved", ReasonBadHeaders},
+		{"header with CRLF", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`{"a": "x\r\nb: y"}`), nil}, id1, "control", ReasonBadHeaders},
+		{"bad header name", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`{"a b": "x"}`), nil}, id1, "header name", ReasonBadHeaders},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -188,7 +189,91 @@ func TestInvalidRows(t *testing.T) {
 			if !strings.Contains(ie.Error(), "0/ABC") {
 				t.Fatalf("error does not name the LSN: %s", ie)
 			}
+			if ie.Code != c.code {
+				t.Fatalf("code %q, want %q", ie.Code, c.code)
+			}
+			// With dead-lettering, the same row becomes a dead letter.
+			dd := New(Config{Schema: "public", Table: "outbox", Columns: DefaultColumns, SubjectPrefix: "outbox", DeadLetterSubject: "outbox._dlq"})
+			decode(t, dd, relationMsg(5, "public", "outbox", outboxCols))
+			decode(t, dd, beginMsg(0xABC, time.Now(), 1))
+			m := decode(t, dd, insertMsg(5, c.values...))
+			dl := m.Event
+			if m.Kind != KindEvent || dl.DeadLetter == nil || dl.Subject != "outbox._dlq."+c.code || dl.ID != "jetbox-dlq-0/ABC-0" {
+				t.Fatalf("dead letter %+v", dl)
+			}
+			hs := map[string]string{}
+			for _, h := range dl.Headers {
+				hs[h.Key] = h.Value
+				if !printable(h.Value) || validHeaderName(h.Key) != nil {
+					t.Fatalf("unsafe dead-letter header %q", h)
+				}
+			}
+			if hs[HeaderDeadLetterReason] != c.code || !strings.Contains(hs[HeaderDeadLetterError], c.wantErr) || hs[HeaderTable] != "public.outbox" {
+				t.Fatalf("dead-letter headers %v", hs)
+			}
+			if c.values[4] != nil && string(dl.Payload) != *c.values[4] {
+				t.Fatalf("payload %q not kept", dl.Payload)
+			}
 		})
+	}
+}
+
+// TestTooLarge: a row over the message limit is invalid; its dead letter
+// carries a reference instead of the payload.
+func TestTooLarge(t *testing.T) {
+	big := `{"pad":"` + strings.Repeat("x", 5000) + `"}`
+	for _, dlq := range []string{"", "outbox._dlq"} {
+		d := New(Config{Schema: "public", Table: "outbox", Columns: DefaultColumns, SubjectPrefix: "outbox", MaxMessageSize: 4096, DeadLetterSubject: dlq})
+		decode(t, d, relationMsg(5, "public", "outbox", outboxCols))
+		decode(t, d, beginMsg(0x10, time.Now(), 1))
+		if m := decode(t, d, insertMsg(5, s(id1), s("order"), s("1"), s("E"), s(`{}`), nil, nil)); m.Event.DeadLetter != nil {
+			t.Fatal("a small row was dead-lettered")
+		}
+		m, err := d.Decode(insertMsg(5, s(id1), s("order"), s("1"), s("E"), s(big), nil, nil))
+		if dlq == "" {
+			var ie *InvalidEventError
+			if !errors.As(err, &ie) || ie.Code != ReasonTooLarge || ie.ID != id1 || !strings.Contains(err.Error(), "max_payload") {
+				t.Fatalf("got %v", err)
+			}
+			continue
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		dl := m.Event
+		if dl.Subject != "outbox._dlq.too-large" || !strings.Contains(string(dl.Payload), id1) || dl.WireSize() > 4096 {
+			t.Fatalf("dead letter %s %q", dl.Subject, dl.Payload)
+		}
+	}
+}
+
+// TestTableChangeIsNeverDeadLettered: rows of a table that lost its outbox
+// columns stop jetbox even with dead-lettering on.
+func TestTableChangeIsNeverDeadLettered(t *testing.T) {
+	d := New(Config{Schema: "public", Table: "outbox", Columns: DefaultColumns, SubjectPrefix: "outbox", DeadLetterSubject: "outbox._dlq"})
+	decode(t, d, relationMsg(5, "public", "outbox", outboxCols[1:]))
+	decode(t, d, beginMsg(0x10, time.Now(), 1))
+	_, err := d.Decode(insertMsg(5, s("order"), s("1"), s("E"), s(`{}`), nil, nil))
+	var ie *InvalidEventError
+	if !errors.As(err, &ie) || ie.Code != ReasonTableChanged || ie.DeadLetterable() {
+		t.Fatalf("got %v", err)
+	}
+	// An aggregate type inside the dead-letter subjects is refused.
+	decode(t, d, relationMsg(5, "public", "outbox", outboxCols))
+	m := decode(t, d, insertMsg(5, s(id1), s("_dlq"), s("1"), s("E"), s(`{}`), nil, nil))
+	if m.Event.DeadLetter == nil || m.Event.DeadLetter.Code != ReasonBadSubject {
+		t.Fatalf("%+v", m.Event)
+	}
+}
+
+func TestEscape(t *testing.T) {
+	for in, want := range map[string]string{"plain": "plain", "a\r\nb": `a\r\nb`, "\x00": `\x00`, "é": "é", "\xff": `\xff`} {
+		if got := escape(in, 64); got != want {
+			t.Errorf("escape(%q) = %q, want %q", in, got, want)
+		}
+	}
+	if got := escape(strings.Repeat("a", 100), 10); len(got) > 13 {
+		t.Errorf("not truncated: %q", got)
 	}
 }
 
@@ -265,7 +350,7 @@ func TestSubject(t *testing.T) {
 }
 
 func TestParseHeaders(t *testing.T) {
-	h, err := parseHeaders([]byte(`{"b": "2", "a": "1", "n": 1, "o": {"x": "y"}, "z": null, "u": "\u00e9"}`))
+	h, err := parseHeaders([]byte(`{"b": "2", "a": "1", "z": null, "u": "\u00e9"}`))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -276,6 +361,11 @@ func TestParseHeaders(t *testing.T) {
 	for i := range want {
 		if h[i] != want[i] {
 			t.Fatalf("%+v, want %+v", h, want)
+		}
+	}
+	for _, in := range []string{`{"n": 1}`, `{"o": {"x": "y"}}`, `{"a": [1]}`, `{"t": true}`, `[]`, `"x"`, `{"Nats-Msg-Id": "x"}`, `{"jetbox-source": "x"}`, `{"a b": "x"}`, `{"a": "x\r\nb"}`, `{`} {
+		if _, err := parseHeaders([]byte(in)); err == nil {
+			t.Errorf("%s accepted", in)
 		}
 	}
 	for _, in := range []string{"null", "", "{}", "  {} "} {

@@ -102,12 +102,32 @@ func (d *Decoder) newRelation(m *pglogrepl.RelationMessage) *relation {
 	return r
 }
 
+// Reasons a row cannot be published. Each is one NATS subject token: with
+// dead-lettering on, the dead letter goes to <dead-letter subject>.<reason>.
+const (
+	ReasonBadID          = "bad-id"           // NULL, empty or with control characters
+	ReasonNullColumn     = "null-column"      // aggregate_type, aggregate_id or event_type is NULL
+	ReasonBadAggregateID = "bad-aggregate-id" // holds control characters (it is sent as a header)
+	ReasonBadSubject     = "bad-subject"      // aggregate_type or event_type is not one subject token
+	ReasonNullPayload    = "null-payload"
+	ReasonBadPayload     = "bad-payload"  // a value in a form jetbox cannot read
+	ReasonBadHeaders     = "bad-headers"  // not a JSON object of string values, or reserved names
+	ReasonTooLarge       = "too-large"    // over the server's max_payload or the stream's max_msg_size
+	ReasonDuplicateID    = "duplicate-id" // the id of another row still inside the duplicate window
+	// ReasonTableChanged: the table no longer has the outbox columns (DDL).
+	// It concerns every row, so jetbox always stops on it.
+	ReasonTableChanged = "table-changed"
+)
+
 // InvalidEventError is an outbox row that cannot be published as it is.
-// The forwarder stops on it without confirming past the row.
+// With --on-invalid=stop the forwarder stops on it without confirming past
+// the row; with dead-lettering it publishes a dead letter instead (see
+// Config.DeadLetter), except for ReasonTableChanged.
 type InvalidEventError struct {
 	ID      string        // the row id, "" when the id itself is the problem
 	LSN     pglogrepl.LSN // commit LSN of the row's transaction
 	TxIndex int           // position of the row in its transaction
+	Code    string        // one of the Reason* constants
 	Column  string
 	Reason  string
 	Hint    string // what the operator or the producer should do
@@ -125,52 +145,73 @@ func (e *InvalidEventError) Error() string {
 	return s
 }
 
-func invalid(col, reason, hint string) *InvalidEventError {
-	return &InvalidEventError{Column: col, Reason: reason, Hint: hint}
+// DeadLetterable reports whether a dead letter may replace the row.
+func (e *InvalidEventError) DeadLetterable() bool { return e.Code != ReasonTableChanged }
+
+func invalid(code, col, reason, hint string) *InvalidEventError {
+	return &InvalidEventError{Code: code, Column: col, Reason: reason, Hint: hint}
 }
 
-// fill copies the columns an event needs out of the tuple.
-func (r *relation) fill(ev *Event, cols []column, prefix string) *InvalidEventError {
+// fill copies the columns an event needs out of the tuple. On error, ev
+// still holds what could be read (raw values), for a dead letter.
+func (r *relation) fill(ev *Event, cols []column, cfg *Config) *InvalidEventError {
 	if r.problem != "" {
-		return invalid("", "table "+r.name+" no longer fits the outbox contract: "+r.problem,
+		return invalid(ReasonTableChanged, "", "table "+r.name+" no longer fits the outbox contract: "+r.problem,
 			"restore the columns (or point the --*-column flags at the new names) and restart jetbox")
 	}
-	text := func(i int, name string) (string, *InvalidEventError) {
-		c := cols[i]
-		switch c.kind {
+	raw := func(i int) string {
+		if cols[i].kind == 't' {
+			return string(cols[i].data)
+		}
+		return ""
+	}
+	ev.ID, ev.AggregateType, ev.AggregateID, ev.EventType = raw(r.id), raw(r.aggType), raw(r.aggID), raw(r.evType)
+	p := cols[r.payload]
+	if p.kind == 't' && !r.payloadBytea {
+		ev.Payload = append([]byte(nil), p.data...)
+	}
+	err := r.check(ev, cols, cfg)
+	if err != nil && err.Code != ReasonBadID {
+		err.ID = ev.ID
+	}
+	return err
+}
+
+// check validates the raw values fill copied and finishes the event.
+func (r *relation) check(ev *Event, cols []column, cfg *Config) *InvalidEventError {
+	text := func(i int, name, code string) *InvalidEventError {
+		switch cols[i].kind {
 		case 't':
-			return string(c.data), nil
+			return nil
 		case 'n':
-			return "", invalid(name, fmt.Sprintf("column %q is NULL", name), "make the column NOT NULL and fix the producer")
+			return invalid(code, name, fmt.Sprintf("column %q is NULL", name), "make the column NOT NULL and fix the producer")
 		default:
-			return "", invalid(name, fmt.Sprintf("column %q arrived as %q, not text", name, c.kind), "")
+			return invalid(code, name, fmt.Sprintf("column %q arrived as %q, not text", name, cols[i].kind), "")
 		}
 	}
-	var err *InvalidEventError
-	if ev.ID, err = text(r.id, "id"); err != nil {
+	if err := text(r.id, "id", ReasonBadID); err != nil {
 		return err
 	}
 	if ev.ID == "" || !printable(ev.ID) {
-		id := ev.ID
-		ev.ID = ""
-		return invalid("id", fmt.Sprintf("id %q is empty or holds control characters", id), "ids become Nats-Msg-Id: use uuid ids")
+		return invalid(ReasonBadID, "id", fmt.Sprintf("id %q is empty or holds control characters", ev.ID), "ids become Nats-Msg-Id: use uuid ids")
 	}
-	fail := func(e *InvalidEventError) *InvalidEventError { e.ID = ev.ID; return e }
-	if ev.AggregateType, err = text(r.aggType, "aggregate_type"); err != nil {
-		return fail(err)
-	}
-	if ev.AggregateID, err = text(r.aggID, "aggregate_id"); err != nil {
-		return fail(err)
-	}
-	if ev.EventType, err = text(r.evType, "event_type"); err != nil {
-		return fail(err)
+	for _, c := range []struct {
+		i    int
+		name string
+	}{{r.aggType, "aggregate_type"}, {r.aggID, "aggregate_id"}, {r.evType, "event_type"}} {
+		if err := text(c.i, c.name, ReasonNullColumn); err != nil {
+			return err
+		}
 	}
 	if !printable(ev.AggregateID) {
-		return fail(invalid("aggregate_id", fmt.Sprintf("aggregate_id %q holds control characters", ev.AggregateID), "it is sent as a header: strip CR, LF and other control characters"))
+		return invalid(ReasonBadAggregateID, "aggregate_id", fmt.Sprintf("aggregate_id %q holds control characters", ev.AggregateID), "it is sent as a header: strip CR, LF and other control characters")
 	}
-	subject, serr := Subject(prefix, ev.AggregateType, ev.EventType)
+	subject, serr := Subject(cfg.SubjectPrefix, ev.AggregateType, ev.EventType)
 	if serr != nil {
-		return fail(invalid("", serr.Error(), "aggregate_type and event_type must each be one NATS subject token: no spaces, '.', '*', '>' or control characters"))
+		return invalid(ReasonBadSubject, "", serr.Error(), "aggregate_type and event_type must each be one NATS subject token: no spaces, '.', '*', '>' or control characters")
+	}
+	if dl := cfg.DeadLetterSubject; dl != "" && strings.HasPrefix(subject, dl+".") {
+		return invalid(ReasonBadSubject, "", fmt.Sprintf("subject %s is inside the dead-letter subjects %s.>", subject, dl), "use another aggregate_type, or another --dead-letter-subject")
 	}
 	ev.Subject = subject
 
@@ -180,16 +221,15 @@ func (r *relation) fill(ev *Event, cols []column, prefix string) *InvalidEventEr
 		if r.payloadBytea {
 			b, derr := decodeByteaHex(p.data)
 			if derr != nil {
-				return fail(invalid("payload", "bytea payload: "+derr.Error(), "jetbox sets bytea_output=hex on its connection; report this as a bug"))
+				ev.Payload = append([]byte(nil), p.data...)
+				return invalid(ReasonBadPayload, "payload", "bytea payload: "+derr.Error(), "jetbox sets bytea_output=hex on its connection; report this as a bug")
 			}
 			ev.Payload = b
-		} else {
-			ev.Payload = append([]byte(nil), p.data...)
 		}
 	case 'n':
-		return fail(invalid("payload", "payload is NULL", "make the payload column NOT NULL and fix the producer"))
+		return invalid(ReasonNullPayload, "payload", "payload is NULL", "make the payload column NOT NULL and fix the producer")
 	default:
-		return fail(invalid("payload", fmt.Sprintf("payload arrived as %q, not text", p.kind), ""))
+		return invalid(ReasonBadPayload, "payload", fmt.Sprintf("payload arrived as %q, not text", p.kind), "")
 	}
 
 	if r.headers >= 0 {
@@ -197,14 +237,29 @@ func (r *relation) fill(ev *Event, cols []column, prefix string) *InvalidEventEr
 		if h.kind == 't' {
 			hs, herr := parseHeaders(h.data)
 			if herr != nil {
-				return fail(invalid("headers", herr.Error(), "write a JSON object of string values, e.g. {\"traceparent\":\"00-...\"}"))
+				ev.rawHeaders = string(h.data)
+				return invalid(ReasonBadHeaders, "headers", herr.Error(), "write a JSON object of string values, e.g. {\"traceparent\":\"00-...\"}")
 			}
 			ev.Headers = hs
 		} else if h.kind != 'n' {
-			return fail(invalid("headers", fmt.Sprintf("headers arrived as %q, not text", h.kind), ""))
+			return invalid(ReasonBadHeaders, "headers", fmt.Sprintf("headers arrived as %q, not text", h.kind), "")
 		}
 	}
+	if max := cfg.MaxMessageSize; max > 0 && ev.WireSize() > max {
+		return invalid(ReasonTooLarge, "payload", fmt.Sprintf("message of about %d bytes (payload %d) is over the limit of %d bytes (the server's max_payload or the stream's max_msg_size)", ev.WireSize(), len(ev.Payload), max),
+			"raise max_payload on the NATS server (and the stream's max_msg_size), or keep outbox payloads smaller (e.g. a CHECK on octet_length(payload))")
+	}
 	return nil
+}
+
+// WireSize estimates the bytes a message takes against NATS' max_payload:
+// the payload, the row's headers and jetbox's own headers.
+func (ev *Event) WireSize() int {
+	n := len(ev.Payload) + 640 + 2*len(ev.ID) + len(ev.AggregateType) + len(ev.AggregateID) + len(ev.EventType) + len(ev.Source)
+	for _, h := range ev.Headers {
+		n += len(h.Key) + len(h.Value) + 4
+	}
+	return n
 }
 
 // decodeByteaHex decodes Postgres' hex bytea output (\x0a0b...).

@@ -63,8 +63,9 @@ func reservedHeader(k string) bool {
 }
 
 // parseHeaders reads the headers column: a JSON object whose string values are
-// copied as message headers (sorted by key, for a stable order). Non-string
-// values are ignored; null or {} gives none.
+// copied as message headers (sorted by key, for a stable order). A null
+// value is no header; a number, boolean, array or object is an error (it
+// would otherwise be dropped silently). null or {} gives none.
 func parseHeaders(src []byte) ([]Header, error) {
 	src = bytes.TrimSpace(src)
 	if len(src) == 0 || string(src) == "null" {
@@ -80,10 +81,19 @@ func parseHeaders(src []byte) ([]Header, error) {
 	if len(obj) == 0 {
 		return nil, nil
 	}
+	keys := make([]string, 0, len(obj))
+	for k := range obj {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
 	out := make([]Header, 0, len(obj))
-	for k, raw := range obj {
+	for _, k := range keys {
+		raw := obj[k]
+		if string(raw) == "null" {
+			continue
+		}
 		if len(raw) == 0 || raw[0] != '"' {
-			continue // only string values become headers
+			return nil, fmt.Errorf("header %q is %s, not a string (header values are strings: write it as \"...\")", k, jsonKind(raw))
 		}
 		var v string
 		if err := json.Unmarshal(raw, &v); err != nil {
@@ -100,8 +110,22 @@ func parseHeaders(src []byte) ([]Header, error) {
 		}
 		out = append(out, Header{Key: k, Value: v})
 	}
-	sort.Slice(out, func(i, j int) bool { return out[i].Key < out[j].Key })
 	return out, nil
+}
+
+func jsonKind(raw json.RawMessage) string {
+	switch {
+	case len(raw) == 0:
+		return "empty"
+	case raw[0] == '{':
+		return "an object"
+	case raw[0] == '[':
+		return "an array"
+	case raw[0] == 't' || raw[0] == 'f':
+		return "a boolean"
+	default:
+		return "a number"
+	}
 }
 
 func validHeaderName(k string) error {

@@ -35,6 +35,8 @@ type monitor struct {
 	mu    sync.Mutex
 	stats SlotStats
 	warn  time.Time // last retained-WAL warning, for rate limiting
+	// published: when the table was last seen in the publication.
+	published time.Time
 }
 
 func (m *monitor) snapshot() SlotStats {
@@ -136,6 +138,50 @@ func (m *monitor) poll(ctx context.Context, ensure func() bool, conn **pgx.Conn)
 	st.HeartbeatsTotal = m.stats.HeartbeatsTotal
 	m.stats = st
 	m.mu.Unlock()
+	m.checkPublication(qctx, *conn)
+}
+
+// checkPublication stops jetbox when the outbox table is no longer
+// published: Postgres then streams nothing for its rows (a dropped or
+// altered publication, or the table dropped and recreated under a FOR TABLE
+// publication), and carrying on would lose them silently.
+func (m *monitor) checkPublication(ctx context.Context, conn *pgx.Conn) {
+	cfg := m.s.cfg
+	var pubExists, published, inserts, tableExists bool
+	err := conn.QueryRow(ctx, `SELECT
+		EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1),
+		EXISTS (SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3),
+		coalesce((SELECT pubinsert FROM pg_publication WHERE pubname = $1), false),
+		EXISTS (SELECT 1 FROM pg_tables WHERE schemaname = $2 AND tablename = $3)`,
+		cfg.Publication, cfg.Decoder.Schema, cfg.Decoder.Table).Scan(&pubExists, &published, &inserts, &tableExists)
+	if err != nil {
+		m.fail(fmt.Errorf("monitor publication query: %w", err))
+		return
+	}
+	since := m.published
+	if pubExists && published && inserts {
+		m.published = time.Now()
+		return
+	}
+	create := fmt.Sprintf("CREATE PUBLICATION %s FOR TABLE %s WITH (publish = 'insert')", quoteIdent(cfg.Publication), cfg.quotedTable())
+	var what, fix string
+	switch {
+	case !pubExists:
+		what, fix = fmt.Sprintf("publication %q was dropped while jetbox ran", cfg.Publication), create
+	case !tableExists:
+		what, fix = fmt.Sprintf("table %s was dropped while jetbox ran", cfg.qualifiedTable()), "recreate the table (see the README's DDL), then ALTER PUBLICATION "+quoteIdent(cfg.Publication)+" ADD TABLE "+cfg.quotedTable()
+	case !published:
+		what, fix = fmt.Sprintf("table %s is no longer in publication %q (removed, or dropped and recreated)", cfg.qualifiedTable(), cfg.Publication),
+			"ALTER PUBLICATION "+quoteIdent(cfg.Publication)+" ADD TABLE "+cfg.quotedTable()
+	default:
+		what, fix = fmt.Sprintf("publication %q no longer publishes inserts", cfg.Publication), "ALTER PUBLICATION "+quoteIdent(cfg.Publication)+" SET (publish = 'insert')"
+	}
+	err = &PermanentError{Err: fmt.Errorf("%s: Postgres does not stream outbox rows committed since then, and jetbox stops rather than lose them silently; fix: %s, restart jetbox, then re-publish from the table the rows committed after %s (re-inserting them with their ids: the stream dedups those it has)",
+		what, fix, since.UTC().Format(time.RFC3339))}
+	select {
+	case m.s.fatal <- err:
+	default:
+	}
 }
 
 // heartbeat writes a non-transactional logical message: WAL in this

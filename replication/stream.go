@@ -82,6 +82,7 @@ type Streamer struct {
 	sent       atomic.Uint64 // last LSN confirmed to Postgres
 	state      atomic.Value  // string, one of metrics.State*
 	mon        *monitor
+	fatal      chan error // the monitor found a reason to stop
 }
 
 // New returns a streamer for the database at connString.
@@ -123,7 +124,8 @@ func New(connString string, cfg Config, sink Sink, log zerolog.Logger) (*Streame
 	}
 	s := &Streamer{cfg: cfg, connString: connString, connCfg: cc, sink: sink,
 		log: log.With().Str("component", "replication").Str("slot", cfg.Slot).Logger()}
-	s.mon = &monitor{s: s}
+	s.mon = &monitor{s: s, published: time.Now()}
+	s.fatal = make(chan error, 1)
 	s.setState(metrics.StateStarting)
 	return s, nil
 }
@@ -362,6 +364,11 @@ func (l *loop) run(ctx context.Context) error {
 		if ctx.Err() != nil {
 			return nil
 		}
+		select {
+		case err := <-l.s.fatal:
+			return err
+		default:
+		}
 		msg, err := l.conn.ReceiveMessage(context.Background())
 		if err != nil {
 			if ctx.Err() != nil {
@@ -424,6 +431,9 @@ func (l *loop) handle(ctx context.Context, data []byte) error {
 		switch msg.Kind {
 		case decoder.KindEvent:
 			msg.Event.Source = l.source
+			if msg.Event.DeadLetter != nil {
+				l.deadLettered(msg.Event.DeadLetter, msg.Event.Subject)
+			}
 			return l.publish(ctx, &msg.Event)
 		case decoder.KindCommit:
 			l.tracker.Commit(msg.EndLSN)
@@ -489,6 +499,23 @@ func (l *loop) send(ticket checkpoint.Ticket, ev *decoder.Event) {
 
 var errAbandoned = errors.New("no PubAck before the publish session was abandoned")
 
+// deadLetterable returns the invalid-row error in err when dead-lettering
+// is on and a dead letter may replace the row.
+func (l *loop) deadLetterable(err error) *decoder.InvalidEventError {
+	var ie *decoder.InvalidEventError
+	if l.s.cfg.Decoder.DeadLetterSubject != "" && errors.As(err, &ie) && ie.DeadLetterable() {
+		return ie
+	}
+	return nil
+}
+
+func (l *loop) deadLettered(cause *decoder.InvalidEventError, subject string) {
+	l.s.cfg.Metrics.InvalidRows.WithLabelValues(cause.Code, "dead-letter").Inc()
+	l.log.Warn().Str("event_id", cause.ID).Str("lsn", cause.LSN.String()).Int("tx_index", cause.TxIndex).
+		Str("reason", cause.Code).Str("dead_letter_subject", subject).Str("error", cause.Error()).
+		Msg("outbox row cannot be published: sending a dead letter instead")
+}
+
 // republish recovers from failed publishes without dropping the replication
 // connection: it stops reading, lets every in-flight publish resolve, then
 // publishes the failed events again, in window order, with backoff, until
@@ -499,7 +526,7 @@ func (l *loop) republish(ctx context.Context, failed int, cause error) error {
 	bo.InitialInterval = 200 * time.Millisecond
 	bo.MaxInterval = l.s.cfg.MaxBackoff
 	for attempt := 1; ; attempt++ {
-		if IsPermanent(cause) {
+		if IsPermanent(cause) && l.deadLetterable(cause) == nil {
 			return cause
 		}
 		// The sink's publish timeout bounds the wait; the cap guards against a
@@ -526,7 +553,16 @@ func (l *loop) republish(ctx context.Context, failed int, cause error) error {
 		retries := l.tracker.Requeue()
 		l.s.cfg.Metrics.Retries.Add(float64(len(retries)))
 		for _, r := range retries {
-			l.send(r.Ticket, r.Payload.(*decoder.Event))
+			ev := r.Payload.(*decoder.Event)
+			if ie := l.deadLetterable(r.Err); ie != nil {
+				if ev.DeadLetter != nil {
+					return fmt.Errorf("the dead letter for a row could not be published either: %w", r.Err)
+				}
+				// Found by the sink (a repeated id, too large for the server).
+				*ev = l.s.cfg.Decoder.DeadLetter(ev, ie)
+				l.deadLettered(ie, ev.Subject)
+			}
+			l.send(r.Ticket, ev)
 			if n, _ := l.tracker.Failures(); n > 0 {
 				l.tracker.FailPending(errAbandoned) // nothing after a failure can be stored
 				break

@@ -48,6 +48,14 @@ func (p *Publisher) Check(ctx context.Context, maxOutage time.Duration) []check.
 	} else {
 		l.Add(check.Info, "nats.stream", fmt.Sprintf("stream %q captures %q (%d messages)", p.cfg.Stream, want, s.CachedInfo().State.Msgs), "")
 	}
+	if dl := p.cfg.DeadLetterSubject + ".>"; p.cfg.DeadLetterSubject != "" {
+		if Captures(cfg.Subjects, dl) {
+			l.Add(check.Info, "nats.dead_letter", fmt.Sprintf("dead letters go to %s, in stream %q", dl, p.cfg.Stream), "")
+		} else {
+			l.Add(check.Error, "nats.dead_letter", fmt.Sprintf("stream %q has subjects %q, which do not capture the dead letters %q", p.cfg.Stream, cfg.Subjects, dl),
+				fmt.Sprintf("add %q to the stream's subjects, or change --dead-letter-subject", dl))
+		}
+	}
 	if cfg.Duplicates < maxOutage {
 		l.Add(check.Warning, "nats.duplicate_window", fmt.Sprintf("stream duplicate window %s is shorter than --max-outage %s: a replay after a longer outage (or a Postgres crash) stores copies", cfg.Duplicates, maxOutage),
 			fmt.Sprintf("nats stream edit %s --dupe-window %s", p.cfg.Stream, maxOutage))

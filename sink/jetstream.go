@@ -15,6 +15,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"regexp"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -55,7 +56,10 @@ type Config struct {
 	// the stream's last sequence, and replayed events at or before the
 	// stream's last message are skipped by position (see Open).
 	ExactlyOnce bool
-	Metrics     *metrics.Metrics
+	// DeadLetterSubject: dead letters go to <DeadLetterSubject>.<reason>; the
+	// stream must capture them too. "" when dead-lettering is off.
+	DeadLetterSubject string
+	Metrics           *metrics.Metrics
 }
 
 // PermanentError is a publish failure that retrying cannot fix (the message is
@@ -85,6 +89,10 @@ type Publisher struct {
 	js    jetstream.JetStream
 	log   zerolog.Logger
 	stats struct{ published, duplicates, errors atomic.Uint64 }
+
+	denyOnce  sync.Once
+	denied    chan struct{} // closed on the first permissions violation for our subjects
+	deniedErr error
 }
 
 // New returns a publisher using nc, which the caller owns and closes.
@@ -106,7 +114,36 @@ func New(nc *nats.Conn, cfg Config, log zerolog.Logger) (*Publisher, error) {
 	if err != nil {
 		return nil, fmt.Errorf("jetstream context: %w", err)
 	}
-	return &Publisher{cfg: cfg, nc: nc, js: js, log: log.With().Str("component", "sink").Str("stream", cfg.Stream).Logger()}, nil
+	return &Publisher{cfg: cfg, nc: nc, js: js, denied: make(chan struct{}),
+		log: log.With().Str("component", "sink").Str("stream", cfg.Stream).Logger()}, nil
+}
+
+var deniedSubject = regexp.MustCompile(`Publish to "([^"]+)"`)
+
+// NoteAsyncError takes the connection's asynchronous errors (give it to
+// nats.ErrorHandler). The server answers a publish it does not permit with
+// an error on the connection, never with a PubAck: a permissions violation
+// for jetbox's subjects (or the JetStream API) fails every pending publish
+// at once, as a permanent error, instead of after --publish-timeout.
+func (p *Publisher) NoteAsyncError(err error) {
+	if !errors.Is(err, nats.ErrPermissionViolation) {
+		return
+	}
+	m := deniedSubject.FindStringSubmatch(err.Error())
+	if m == nil {
+		return
+	}
+	subj := m[1]
+	ours := Captures([]string{p.cfg.SubjectPrefix + ".>", "$JS.API.>"}, subj) ||
+		(p.cfg.DeadLetterSubject != "" && Captures([]string{p.cfg.DeadLetterSubject + ".>"}, subj))
+	if !ours {
+		return
+	}
+	p.denyOnce.Do(func() {
+		p.deniedErr = &PermanentError{Err: fmt.Errorf("NATS denies this user publishing to %s: %w", subj, err),
+			Hint: fmt.Sprintf("grant publish permission on %s.> (and on the dead-letter subject), plus $JS.API.> for the stream API, then restart jetbox; nothing past the last stored event was confirmed", p.cfg.SubjectPrefix)}
+		close(p.denied)
+	})
 }
 
 // JetStream returns the publisher's JetStream handle.
@@ -129,8 +166,21 @@ type Session struct {
 	closing sync.Once // closes pending
 	quitter sync.Once // closes quit
 
+	stream jetstream.Stream
+	source string // this writer's WAL history
+	// watermark: position of the stream's last message when the session
+	// opened, if jetbox wrote it from this source. A Duplicate PubAck at or
+	// before it is a replay; one after it is checked against the original.
+	watermark    Position
+	hasWatermark bool
+	// The previous message (the stream's last one when the session opened,
+	// then the last published): the same id at another position is a
+	// repeated id, refused before publishing (JetStream's order guard
+	// cannot see it: the expected last id would match).
+	prevID  string
+	prevPos Position
+
 	// exactly-once mode
-	source  string   // this writer's WAL history
 	nextSeq uint64   // the stream's last sequence before the next publish
 	last    Position // position of the stream's last message
 	skipped uint64
@@ -152,6 +202,9 @@ type pendingAck struct {
 	fut       jetstream.PubAckFuture
 	done      func(error)
 	committed time.Time
+	id        string
+	pos       Position
+	size      int
 }
 
 // Open starts a session; Close it to wait for its acks. In exactly-once mode
@@ -162,10 +215,8 @@ type pendingAck struct {
 // exactly-once mode refuses to resume after a message from another one.
 func (p *Publisher) Open(ctx context.Context, source string) (*Session, error) {
 	s := &Session{p: p, pending: make(chan pendingAck, p.cfg.MaxPending+1), quit: make(chan struct{}), source: source}
-	if p.cfg.ExactlyOnce {
-		if err := s.resume(ctx); err != nil {
-			return nil, err
-		}
+	if err := s.resume(ctx); err != nil {
+		return nil, err
 	}
 	s.wg.Add(1)
 	go s.watch()
@@ -176,16 +227,29 @@ func (p *Publisher) Open(ctx context.Context, source string) (*Session, error) {
 // which exactly-once mode cannot order against.
 var ErrForeignMessage = errors.New("the stream's last message was not written by jetbox")
 
+// resume checks the stream still exists and captures jetbox's subjects (so
+// a stream deleted or changed while jetbox runs stops it with a clear error
+// rather than retrying forever), then reads the stream's last message: the
+// watermark for duplicate checks and, in exactly-once mode, where to resume.
 func (s *Session) resume(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	st, err := s.p.js.Stream(ctx, s.p.cfg.Stream)
-	if err != nil {
-		return fmt.Errorf("exactly-once: look up stream %q: %w", s.p.cfg.Stream, err)
+	name := s.p.cfg.Stream
+	st, err := s.p.js.Stream(ctx, name)
+	if errors.Is(err, jetstream.ErrStreamNotFound) {
+		return &PermanentError{Err: fmt.Errorf("stream %q does not exist (deleted while jetbox ran?)", name),
+			Hint: "nothing past the last stored event was confirmed to Postgres: restart jetbox, which creates the stream again and resumes from the slot (or create it yourself first)"}
 	}
-	info, err := st.Info(ctx)
 	if err != nil {
-		return fmt.Errorf("exactly-once: stream %q info: %w", s.p.cfg.Stream, err)
+		return fmt.Errorf("look up stream %q: %w", name, err)
+	}
+	s.stream = st
+	info := st.CachedInfo()
+	for _, want := range []string{s.p.cfg.SubjectPrefix + ".>", s.p.cfg.DeadLetterSubject + ".>"} {
+		if want != ".>" && !Captures(info.Config.Subjects, want) {
+			return &PermanentError{Err: fmt.Errorf("stream %q has subjects %q, which no longer capture %q (changed while jetbox ran?)", name, info.Config.Subjects, want),
+				Hint: fmt.Sprintf("add %q back to the stream's subjects (nats stream edit %s), then restart jetbox; nothing past the last stored event was confirmed", want, name)}
+		}
 	}
 	s.nextSeq = info.State.LastSeq
 	if s.nextSeq == 0 {
@@ -193,6 +257,9 @@ func (s *Session) resume(ctx context.Context) error {
 	}
 	m, err := st.GetMsg(ctx, s.nextSeq)
 	if err != nil {
+		if !s.p.cfg.ExactlyOnce {
+			return nil // no watermark: every Duplicate PubAck is checked
+		}
 		if errors.Is(err, jetstream.ErrMsgNotFound) {
 			return &PermanentError{Err: fmt.Errorf("exactly-once: the stream's last message (seq %d) is gone", s.nextSeq),
 				Hint: "exactly-once mode resumes from the stream's last message: use a retention that keeps it (limits, no max-age shorter than an outage), or --delivery=dedup"}
@@ -200,15 +267,23 @@ func (s *Session) resume(ctx context.Context) error {
 		return fmt.Errorf("exactly-once: read the stream's last message (seq %d): %w", s.nextSeq, err)
 	}
 	pos, ok := positionOf(m.Header)
+	sameSource := m.Header.Get(HeaderSource) == s.source
+	s.prevID, s.prevPos = m.Header.Get(jetstream.MsgIDHeader), pos
+	if !s.p.cfg.ExactlyOnce {
+		// Without the order guard, rows after a refused one may be stored
+		// before it is retried: no watermark, check every Duplicate.
+		s.watermark, s.hasWatermark = pos, ok && sameSource && s.p.cfg.OrderGuard
+		return nil
+	}
 	if !ok {
 		return &PermanentError{Err: fmt.Errorf("exactly-once: %w (seq %d, subject %s)", ErrForeignMessage, s.nextSeq, m.Subject),
 			Hint: "exactly-once mode needs jetbox to be the stream's only writer: stop the other publisher (or use --delivery=dedup), then restart jetbox"}
 	}
-	if got := m.Header.Get(HeaderSource); got != s.source {
-		return &PermanentError{Err: fmt.Errorf("exactly-once: the stream's last message (seq %d) comes from %q, this jetbox reads %q", s.nextSeq, got, s.source),
+	if !sameSource {
+		return &PermanentError{Err: fmt.Errorf("exactly-once: the stream's last message (seq %d) comes from %q, this jetbox reads %q", s.nextSeq, m.Header.Get(HeaderSource), s.source),
 			Hint: "positions from another database, slot, cluster or timeline (a failover, a PITR) are not comparable: give each jetbox its own stream; after a failover check the stream against the table, then use --delivery=dedup or a new stream"}
 	}
-	s.last = pos
+	s.last, s.watermark, s.hasWatermark = pos, pos, true
 	s.lastID = m.Header.Get(jetstream.MsgIDHeader)
 	s.p.log.Info().Uint64("seq", s.nextSeq).Str("lsn", pglogrepl.LSN(pos.CommitLSN).String()).Int("tx_index", pos.TxIndex).
 		Msg("exactly-once: resuming after the stream's last message")
@@ -239,6 +314,12 @@ func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
 		s.p.cfg.Metrics.Duplicates.Inc()
 		done(nil)
 		return nil
+	}
+	pos := Position{CommitLSN: uint64(ev.CommitLSN), TxIndex: ev.TxIndex}
+	if ev.ID == s.prevID && pos != s.prevPos {
+		return &decoder.InvalidEventError{ID: ev.ID, LSN: ev.CommitLSN, TxIndex: ev.TxIndex, Code: decoder.ReasonDuplicateID, Column: "id",
+			Reason: fmt.Sprintf("the id repeats the previous row's (transaction %s, row %d) inside the duplicate window: JetStream would drop this row silently", pglogrepl.LSN(s.prevPos.CommitLSN), s.prevPos.TxIndex),
+			Hint:   duplicateHint}
 	}
 	msg := &nats.Msg{Subject: ev.Subject, Data: ev.Payload, Header: make(nats.Header, 8+len(ev.Headers))}
 	for _, h := range ev.Headers {
@@ -272,15 +353,30 @@ func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
 		s.p.stats.errors.Add(1)
 		s.p.cfg.Metrics.PublishErrors.Inc()
 		if errors.Is(err, nats.ErrMaxPayload) {
-			return &PermanentError{Err: fmt.Errorf("publish to %s: %w (payload %d bytes, server max_payload %d)", ev.Subject, err, len(ev.Payload), s.p.nc.MaxPayload()),
-				Hint: "raise max_payload on the NATS server or keep outbox payloads smaller (e.g. a CHECK on octet_length(payload))"}
+			return tooLarge(ev.ID, ev.CommitLSN, ev.TxIndex, fmt.Sprintf("message of %d bytes (payload %d) is over the server's max_payload of %d bytes", len(msg.Data)+headerSize(msg.Header), len(ev.Payload), s.p.nc.MaxPayload()))
 		}
 		return fmt.Errorf("publish to %s: %w", ev.Subject, err)
 	}
-	s.lastID = ev.ID
+	s.lastID, s.prevID, s.prevPos = ev.ID, ev.ID, pos
 	s.nextSeq++
-	s.pending <- pendingAck{fut: fut, done: done, committed: ev.CommitTime}
+	s.pending <- pendingAck{fut: fut, done: done, committed: ev.CommitTime, id: ev.ID, pos: pos, size: len(ev.Payload)}
 	return nil
+}
+
+func headerSize(h nats.Header) int {
+	n := 12
+	for k, vs := range h {
+		for _, v := range vs {
+			n += len(k) + len(v) + 4
+		}
+	}
+	return n
+}
+
+// tooLarge is the invalid-row error of a message the server or stream refuses for its size.
+func tooLarge(id string, lsn pglogrepl.LSN, txIndex int, what string) *decoder.InvalidEventError {
+	return &decoder.InvalidEventError{ID: id, LSN: lsn, TxIndex: txIndex, Code: decoder.ReasonTooLarge, Column: "payload", Reason: what,
+		Hint: "raise max_payload on the NATS server (and the stream's max_msg_size), or keep outbox payloads smaller (e.g. a CHECK on octet_length(payload)); or run with --on-invalid=dead-letter"}
 }
 
 func (s *Session) watch() {
@@ -290,6 +386,12 @@ func (s *Session) watch() {
 		select {
 		case ack := <-pa.fut.Ok():
 			if ack.Duplicate {
+				if err := s.checkDuplicate(pa, ack.Sequence); err != nil {
+					s.p.stats.errors.Add(1)
+					m.PublishErrors.Inc()
+					pa.done(err)
+					continue
+				}
 				s.p.stats.duplicates.Add(1)
 				m.Duplicates.Inc()
 			} else {
@@ -301,21 +403,60 @@ func (s *Session) watch() {
 		case err := <-pa.fut.Err():
 			s.p.stats.errors.Add(1)
 			m.PublishErrors.Inc()
-			pa.done(s.p.classify(err))
+			pa.done(s.p.classify(pa, err))
+		case <-s.p.denied:
+			s.p.stats.errors.Add(1)
+			m.PublishErrors.Inc()
+			pa.done(s.p.deniedErr)
 		case <-s.quit:
 			return
 		}
 	}
 }
 
-func (p *Publisher) classify(err error) error {
+func (p *Publisher) classify(pa pendingAck, err error) error {
 	var apiErr *jetstream.APIError
 	if errors.As(err, &apiErr) && apiErr.ErrorCode == jetstream.JSErrCodeStreamMessageExceedsMaximum {
-		return &PermanentError{Err: fmt.Errorf("stream %s refused the message: %w", p.cfg.Stream, err),
-			Hint: "raise the stream's max_msg_size or keep outbox payloads smaller"}
+		return tooLarge(pa.id, pglogrepl.LSN(pa.pos.CommitLSN), pa.pos.TxIndex,
+			fmt.Sprintf("stream %s refused the message (payload %d bytes): %v", p.cfg.Stream, pa.size, err))
 	}
 	return err
 }
+
+// checkDuplicate tells a replay (the stream already holds this very row)
+// from a repeated id (another row used it inside the duplicate window, and
+// JetStream would drop this one silently): a Duplicate PubAck after the
+// session's watermark is compared with the original message at seq.
+func (s *Session) checkDuplicate(pa pendingAck, seq uint64) error {
+	if s.hasWatermark && !s.watermark.Less(pa.pos) {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), s.p.cfg.PublishTimeout)
+	defer cancel()
+	orig, err := s.stream.GetMsg(ctx, seq)
+	if errors.Is(err, jetstream.ErrMsgNotFound) {
+		s.p.log.Warn().Str("event_id", pa.id).Uint64("seq", seq).
+			Msg("Duplicate PubAck whose original message is no longer in the stream: counted as a replay (a repeated id cannot be told apart)")
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("read message seq %d to check a Duplicate PubAck for id %s: %w", seq, pa.id, err)
+	}
+	op, ok := positionOf(orig.Header)
+	if ok && op == pa.pos {
+		return nil // the same row, stored before
+	}
+	what := fmt.Sprintf("stream message seq %d (not written by jetbox)", seq)
+	if ok {
+		what = fmt.Sprintf("stream message seq %d (transaction %s, row %d)", seq, pglogrepl.LSN(op.CommitLSN), op.TxIndex)
+	}
+	return &decoder.InvalidEventError{ID: pa.id, LSN: pglogrepl.LSN(pa.pos.CommitLSN), TxIndex: pa.pos.TxIndex, Code: decoder.ReasonDuplicateID, Column: "id",
+		Reason: "the id is already used by " + what + " inside the duplicate window: JetStream would drop this row silently",
+		Hint:   duplicateHint}
+}
+
+const duplicateHint = "give every outbox row a unique id (the default gen_random_uuid()); run with --on-invalid=dead-letter to send this row to the dead-letter subject"
+
 
 // Close waits until every published event's done was called, or ctx ends;
 // in that case the remaining acks are abandoned and their done never runs.

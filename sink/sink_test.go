@@ -125,7 +125,7 @@ func TestOrderGuardRefusesAfterALostMessage(t *testing.T) {
 	for _, guard := range []bool{true, false} {
 		n := testenv.StartNATS(t)
 		cfg := baseConfig()
-		cfg.OrderGuard = guard
+		cfg.OrderGuard, cfg.SubjectPrefix = guard, "outbox.ok"
 		p := newPublisher(t, n, cfg)
 		_, js := n.Connect(t)
 		if _, err := js.CreateStream(context.Background(), jetstream.StreamConfig{Name: "OUTBOX", Subjects: []string{"outbox.ok.>"}}); err != nil {
@@ -159,8 +159,8 @@ func TestTooLargeIsPermanent(t *testing.T) {
 		t.Fatal(err)
 	}
 	err = sess.Publish(ev, func(error) { t.Error("done called for an unsent message") })
-	var pe *sink.PermanentError
-	if !errors.As(err, &pe) || !strings.Contains(err.Error(), "max_payload") {
+	var ie *decoder.InvalidEventError
+	if !errors.As(err, &ie) || ie.Code != decoder.ReasonTooLarge || ie.ID != "big" || !strings.Contains(err.Error(), "max_payload") {
 		t.Fatalf("got %v", err)
 	}
 
@@ -174,7 +174,7 @@ func TestTooLargeIsPermanent(t *testing.T) {
 	ev = event("mid", "order", "E")
 	ev.Subject, ev.Payload = "small.order.E", make([]byte, 2000)
 	errs := publishAll(t, newPublisher(t, n, cfg), ev)
-	if !errors.As(errs[0], &pe) || !strings.Contains(errs[0].Error(), "max_msg_size") {
+	if !errors.As(errs[0], &ie) || ie.Code != decoder.ReasonTooLarge || !strings.Contains(errs[0].Error(), "max_msg_size") {
 		t.Fatalf("got %v", errs[0])
 	}
 }
@@ -274,5 +274,71 @@ func TestExactlyOnceRefusesAnotherSource(t *testing.T) {
 	var pe *sink.PermanentError
 	if !errors.As(err, &pe) || !strings.Contains(err.Error(), "not comparable") {
 		t.Fatalf("another source accepted: %v", err)
+	}
+}
+
+func at(ev *decoder.Event, txIndex int) *decoder.Event { ev.TxIndex = txIndex; return ev }
+
+// TestRepeatedIDDetected: a row reusing the id of another row inside the
+// duplicate window is reported (JetStream would drop it silently), whether
+// it follows that row directly or not; a replay of the same rows is not.
+func TestRepeatedIDDetected(t *testing.T) {
+	for _, guard := range []bool{true, false} {
+		n := testenv.StartNATS(t)
+		cfg := baseConfig()
+		cfg.OrderGuard = guard
+		p := newPublisher(t, n, cfg)
+		if _, err := p.EnsureStream(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		isDup := func(err error) bool {
+			var ie *decoder.InvalidEventError
+			return errors.As(err, &ie) && ie.Code == decoder.ReasonDuplicateID && strings.Contains(err.Error(), "duplicate window")
+		}
+		errs := publishAll(t, p, at(event("id-1", "order", "E"), 0), at(event("id-2", "order", "E"), 1), at(event("id-1", "order", "E"), 2))
+		if errs[0] != nil || errs[1] != nil || !isDup(errs[2]) {
+			t.Fatalf("guard=%v: non-consecutive repeat: %v", guard, errs)
+		}
+		// The same id twice in a row: refused before publishing.
+		errs = publishAll(t, p, at(event("id-3", "order", "E"), 3), at(event("id-3", "order", "E"), 4))
+		if errs[0] != nil || !isDup(errs[1]) {
+			t.Fatalf("guard=%v: consecutive repeat: %v", guard, errs)
+		}
+		// A new session whose first row repeats the stream's last id.
+		if errs = publishAll(t, p, at(event("id-3", "order", "E"), 5)); !isDup(errs[0]) {
+			t.Fatalf("guard=%v: repeat of the stream's last message: %v", guard, errs)
+		}
+		// A replay of the rows themselves is fine.
+		for i, err := range publishAll(t, p, at(event("id-1", "order", "E"), 0), at(event("id-2", "order", "E"), 1), at(event("id-3", "order", "E"), 3)) {
+			if err != nil {
+				t.Fatalf("guard=%v: replay %d: %v", guard, i, err)
+			}
+		}
+	}
+}
+
+// TestStreamGoneOrChanged: a session does not open on a stream deleted, or
+// whose subjects no longer capture the prefix; the error is permanent and
+// says what to do.
+func TestStreamGoneOrChanged(t *testing.T) {
+	n := testenv.StartNATS(t)
+	p := newPublisher(t, n, baseConfig())
+	ctx := context.Background()
+	if _, err := p.EnsureStream(ctx); err != nil {
+		t.Fatal(err)
+	}
+	_, js := n.Connect(t)
+	if _, err := js.UpdateStream(ctx, jetstream.StreamConfig{Name: "OUTBOX", Subjects: []string{"elsewhere.>"}, Storage: jetstream.FileStorage, Duplicates: time.Minute}); err != nil {
+		t.Fatal(err)
+	}
+	var pe *sink.PermanentError
+	if _, err := p.Open(ctx, "test"); !errors.As(err, &pe) || !strings.Contains(err.Error(), "no longer capture") {
+		t.Fatalf("subjects changed: %v", err)
+	}
+	if err := js.DeleteStream(ctx, "OUTBOX"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.Open(ctx, "test"); !errors.As(err, &pe) || !strings.Contains(err.Error(), "does not exist") || !strings.Contains(err.Error(), "restart jetbox") {
+		t.Fatalf("stream deleted: %v", err)
 	}
 }

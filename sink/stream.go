@@ -17,10 +17,14 @@ func (p *Publisher) EnsureStream(ctx context.Context) (*jetstream.StreamInfo, er
 	s, err := p.js.Stream(ctx, p.cfg.Stream)
 	switch {
 	case errors.Is(err, jetstream.ErrStreamNotFound):
+		subjects := []string{want}
+		if dl := p.cfg.DeadLetterSubject + ".>"; p.cfg.DeadLetterSubject != "" && !Captures(subjects, dl) {
+			subjects = append(subjects, dl)
+		}
 		cfg := jetstream.StreamConfig{
 			Name:        p.cfg.Stream,
 			Description: "transactional outbox, written by jetbox",
-			Subjects:    []string{want},
+			Subjects:    subjects,
 			Storage:     jetstream.FileStorage,
 			Duplicates:  p.cfg.DuplicateWindow,
 		}
@@ -28,7 +32,7 @@ func (p *Publisher) EnsureStream(ctx context.Context) (*jetstream.StreamInfo, er
 		if err != nil {
 			return nil, fmt.Errorf("create stream %q with subjects %q: %w", p.cfg.Stream, want, err)
 		}
-		p.log.Info().Str("subjects", want).Dur("duplicate_window", p.cfg.DuplicateWindow).Msg("created stream")
+		p.log.Info().Strs("subjects", subjects).Dur("duplicate_window", p.cfg.DuplicateWindow).Msg("created stream")
 	case err != nil:
 		return nil, fmt.Errorf("look up stream %q: %w", p.cfg.Stream, err)
 	}
@@ -37,7 +41,25 @@ func (p *Publisher) EnsureStream(ctx context.Context) (*jetstream.StreamInfo, er
 		return info, fmt.Errorf("stream %q has subjects %q, which do not capture %q: add %q to the stream's subjects, or set --subject-prefix / --stream to match",
 			p.cfg.Stream, info.Config.Subjects, want, want)
 	}
+	if dl := p.cfg.DeadLetterSubject + ".>"; p.cfg.DeadLetterSubject != "" && !Captures(info.Config.Subjects, dl) {
+		return info, fmt.Errorf("stream %q has subjects %q, which do not capture the dead letters %q: add %q to the stream's subjects, or change --dead-letter-subject",
+			p.cfg.Stream, info.Config.Subjects, dl, dl)
+	}
 	return info, nil
+}
+
+// MessageLimit returns the largest message the server and the stream take:
+// the server's max_payload, or the stream's max_msg_size when smaller.
+func (p *Publisher) MessageLimit(ctx context.Context) (int, error) {
+	limit := int(p.nc.MaxPayload())
+	s, err := p.js.Stream(ctx, p.cfg.Stream)
+	if err != nil {
+		return 0, fmt.Errorf("look up stream %q: %w", p.cfg.Stream, err)
+	}
+	if m := int(s.CachedInfo().Config.MaxMsgSize); m > 0 && m < limit {
+		limit = m
+	}
+	return limit, nil
 }
 
 // Captures reports whether some subject filter in filters matches every

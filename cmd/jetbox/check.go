@@ -8,6 +8,7 @@ import (
 	"io"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jetbox-dev/jetbox/internal/check"
@@ -54,7 +55,12 @@ func checkAll(ctx context.Context, cfg Config, log zerolog.Logger) checkResult {
 	}()
 	go func() {
 		defer wg.Done()
-		nc, err := connectNATS(cfg, log)
+		var pubRef atomic.Pointer[sink.Publisher]
+		nc, err := connectNATS(cfg, log, func(err error) {
+			if p := pubRef.Load(); p != nil {
+				p.NoteAsyncError(err)
+			}
+		})
 		if err != nil {
 			nsErr = err
 			return
@@ -65,6 +71,7 @@ func checkAll(ctx context.Context, cfg Config, log zerolog.Logger) checkResult {
 			nsErr = err
 			return
 		}
+		pubRef.Store(pub)
 		sctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 		defer cancel()
 		ns = pub.Check(sctx, cfg.MaxOutage)

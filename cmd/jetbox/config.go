@@ -54,6 +54,8 @@ type RunFlags struct {
 	MaxInFlightBytes string `name:"max-in-flight-bytes" env:"JETBOX_MAX_IN_FLIGHT_BYTES" default:"16MiB" help:"Payload bytes published and not yet acked."`
 	PublishTimeout   string `name:"publish-timeout" env:"JETBOX_PUBLISH_TIMEOUT" default:"30s" help:"Wait for one PubAck before the outcome counts as unknown."`
 	Delivery         string `name:"delivery" env:"JETBOX_DELIVERY" default:"dedup" help:"dedup: Nats-Msg-Id dedup within the duplicate window; exactly-once: jetbox is the stream's only writer, publishes expect the last sequence and replays are skipped by position, whatever the window."`
+	OnInvalid        string `name:"on-invalid" env:"JETBOX_ON_INVALID" default:"stop" help:"A row that cannot be published: stop (exit 1, slot kept before it) or dead-letter (publish it to --dead-letter-subject.<reason> and go on)."`
+	DeadLetterSubj   string `name:"dead-letter-subject" env:"JETBOX_DEAD_LETTER_SUBJECT" help:"With --on-invalid=dead-letter: subject prefix for dead letters, captured by the stream. Default <subject-prefix>._dlq." placeholder:"SUBJECT"`
 	OrderGuard       string `name:"order-guard" env:"JETBOX_ORDER_GUARD" default:"true" help:"Send Nats-Expected-Last-Msg-Id so the stream never holds a gap or reordering (needs jetbox to be the stream's only writer)."`
 	StatusInterval   string `name:"status-interval" env:"JETBOX_STATUS_INTERVAL" default:"1s" help:"Standby status update period."`
 	PostgresTimeout  string `name:"postgres-timeout" env:"JETBOX_POSTGRES_TIMEOUT" default:"30s" help:"Reconnect when Postgres sends nothing for this long."`
@@ -250,6 +252,28 @@ func (f *RunFlags) Config() (Config, error) {
 	orderGuard, err := strconv.ParseBool(f.OrderGuard)
 	if err != nil {
 		bad("order-guard", f.OrderGuard, "not a boolean", "use true or false")
+	} else if !orderGuard && f.Delivery == "exactly-once" {
+		bad("order-guard", f.OrderGuard, "conflicts with --delivery=exactly-once, which always guards the order", "drop --order-guard=false, or use --delivery=dedup")
+	}
+	deadLetter := ""
+	switch f.OnInvalid {
+	case "stop":
+		if f.DeadLetterSubj != "" {
+			bad("dead-letter-subject", f.DeadLetterSubj, "set while --on-invalid=stop, so never used", "add --on-invalid=dead-letter, or drop --dead-letter-subject")
+		}
+	case "dead-letter":
+		deadLetter = f.DeadLetterSubj
+		if deadLetter == "" {
+			deadLetter = f.SubjectPrefix + "._dlq"
+		}
+		if err := decoder.ValidPrefix(deadLetter); err != nil {
+			bad("dead-letter-subject", deadLetter, err.Error(), "use dot-separated tokens without spaces or wildcards, e.g. outbox._dlq")
+		} else if rest, under := strings.CutPrefix(deadLetter, f.SubjectPrefix+"."); under && !strings.HasPrefix(rest, "_") {
+			bad("dead-letter-subject", deadLetter, "inside the event subjects: it would collide with aggregate type "+strings.Split(rest, ".")[0],
+				"start the token after the prefix with '_' (e.g. "+f.SubjectPrefix+"._dlq) or use a subject outside "+f.SubjectPrefix+".>")
+		}
+	default:
+		bad("on-invalid", f.OnInvalid, "unknown policy", "use stop or dead-letter (see the README's failure modes)")
 	}
 	level, err := zerolog.ParseLevel(f.LogLevel)
 	if err != nil || f.LogLevel == "" {
@@ -264,7 +288,7 @@ func (f *RunFlags) Config() (Config, error) {
 
 	c.Replication = replication.Config{
 		Slot: f.Slot, Publication: f.Publication,
-		Decoder:           decoder.Config{Schema: schema, Table: table, Columns: cols, SubjectPrefix: f.SubjectPrefix},
+		Decoder:           decoder.Config{Schema: schema, Table: table, Columns: cols, SubjectPrefix: f.SubjectPrefix, DeadLetterSubject: deadLetter},
 		StatusInterval:    statusInterval,
 		Timeout:           pgTimeout,
 		MaxInFlight:       maxInFlight,
@@ -276,7 +300,7 @@ func (f *RunFlags) Config() (Config, error) {
 		MonitorInterval:   monitorInterval,
 	}
 	c.Sink = sink.Config{Stream: f.Stream, SubjectPrefix: f.SubjectPrefix, DuplicateWindow: dupWindow,
-		PublishTimeout: publishTimeout, MaxPending: maxInFlight, OrderGuard: orderGuard, ExactlyOnce: f.Delivery == "exactly-once"}
+		PublishTimeout: publishTimeout, MaxPending: maxInFlight, OrderGuard: orderGuard, ExactlyOnce: f.Delivery == "exactly-once", DeadLetterSubject: deadLetter}
 	c.LogLevel, c.LogConsole = level, f.LogFormat == "console"
 	return c, nil
 }

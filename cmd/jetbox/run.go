@@ -57,6 +57,14 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 	}
 	defer nc.Close()
 
+	if cfg.Replication.Decoder.MaxMessageSize, err = pub.MessageLimit(ctx); err != nil {
+		log.Error().Err(err).Msg("read the stream's limits")
+		fmt.Fprintln(stderr, "jetbox:", err)
+		return exitFailure
+	}
+	if dl := cfg.Replication.Decoder.DeadLetterSubject; dl != "" {
+		log.Info().Str("subject", dl+".<reason>").Msg("rows that cannot be published become dead letters")
+	}
 	streamer, err := replication.New(cfg.PostgresURL, cfg.Replication, sinkAdapter{pub}, log)
 	if err != nil {
 		log.Error().Err(err).Msg("start replication")
@@ -75,7 +83,8 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 		ev = log.Error().Err(err)
 		var ie *decoder.InvalidEventError
 		if errors.As(err, &ie) {
-			ev = ev.Str("event_id", ie.ID).Str("lsn", ie.LSN.String()).Str("hint", ie.Hint)
+			ev = ev.Str("event_id", ie.ID).Str("lsn", ie.LSN.String()).Str("reason", ie.Code).Str("hint", ie.Hint)
+			cfg.Metrics.InvalidRows.WithLabelValues(ie.Code, "stop").Inc()
 		}
 	}
 	ev.Str("confirmed_lsn", streamer.ConfirmedLSN().String()).Uint64("published", st.Published).
@@ -180,7 +189,9 @@ func ensureAll(ctx context.Context, cfg Config, pub *sink.Publisher, log zerolog
 	return err
 }
 
-func connectNATS(cfg Config, log zerolog.Logger) (*nats.Conn, error) {
+// connectNATS connects with cfg's URLs, credentials and TLS; asyncErr (if
+// set) also gets the connection's asynchronous errors.
+func connectNATS(cfg Config, log zerolog.Logger, asyncErr func(error)) (*nats.Conn, error) {
 	nlog := log.With().Str("component", "nats").Logger()
 	opts := []nats.Option{
 		nats.Name("jetbox"),
@@ -201,6 +212,9 @@ func connectNATS(cfg Config, log zerolog.Logger) (*nats.Conn, error) {
 		}),
 		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
 			nlog.Warn().Err(err).Msg("NATS error")
+			if asyncErr != nil {
+				asyncErr(err)
+			}
 		}),
 	}
 	a := cfg.NATS

@@ -73,7 +73,7 @@ func (c *statusCmd) run(ctx context.Context, stdout, stderr io.Writer) int {
 		}
 	}
 
-	nc, err := connectNATS(cfg, zerolog.Nop())
+	nc, err := connectNATS(cfg, zerolog.Nop(), nil)
 	if err != nil {
 		say("nats         unreachable: %v", err)
 		return exitFailure

@@ -39,6 +39,7 @@ type Metrics struct {
 	Reconnects    *prometheus.CounterVec
 	Heartbeats    prometheus.Counter
 	State         *prometheus.GaugeVec
+	InvalidRows   *prometheus.CounterVec
 }
 
 // New registers jetbox's metrics (and the Go and process collectors) on a new registry.
@@ -63,9 +64,11 @@ func New() *Metrics {
 		Reconnects:   prometheus.NewCounterVec(prometheus.CounterOpts{Name: "jetbox_reconnects_total", Help: "Reconnections, per side."}, []string{"side"}),
 		Heartbeats:   prometheus.NewCounter(prometheus.CounterOpts{Name: "jetbox_heartbeats_total", Help: "Heartbeat messages written to the WAL."}),
 		State:        prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "jetbox_state", Help: "1 for the forwarder's current state."}, []string{"state"}),
+		InvalidRows: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "jetbox_invalid_rows_total",
+			Help: "Outbox rows that could not be published, per reason and action (stop, or dead-letter: published to the dead-letter subject)."}, []string{"reason", "action"}),
 	}
 	r.MustRegister(m.Published, m.Duplicates, m.PublishErrors, m.Retries, m.InFlight, m.ConfirmedLSN, m.ServerLSN,
-		m.LagBytes, m.RetainedWAL, m.RetainedOver, m.Latency, m.Transactions, m.Reconnects, m.Heartbeats, m.State,
+		m.LagBytes, m.RetainedWAL, m.RetainedOver, m.Latency, m.Transactions, m.Reconnects, m.Heartbeats, m.State, m.InvalidRows,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.Reconnects.WithLabelValues("postgres")
 	m.Reconnects.WithLabelValues("nats")

@@ -21,6 +21,9 @@ type Options struct {
 	TLS        *tls.Config // serve TLS only; with ClientCAs set, client certificates are required
 	Username   string      // require this user and Password
 	Password   string
+	// PublishAllow, with Username, limits what the user may publish to
+	// these subjects (plus replies to its requests).
+	PublishAllow []string
 }
 
 // Start starts a server and waits until it serves clients.
@@ -39,6 +42,12 @@ func Start(o Options) (*server.Server, error) {
 	so := &server.Options{
 		Host: o.Host, Port: o.Port, JetStream: true, StoreDir: o.StoreDir, MaxPayload: o.MaxPayload,
 		NoLog: true, NoSigs: true, MaxControlLine: 4096, Username: o.Username, Password: o.Password,
+	}
+	if o.PublishAllow != nil {
+		so.Username, so.Password = "", ""
+		so.Users = []*server.User{{Username: o.Username, Password: o.Password, Permissions: &server.Permissions{
+			Publish: &server.SubjectPermission{Allow: o.PublishAllow}, Subscribe: &server.SubjectPermission{Allow: []string{">"}},
+		}}}
 	}
 	if o.TLS != nil {
 		so.TLS, so.TLSConfig, so.TLSVerify, so.TLSTimeout = true, o.TLS, o.TLS.ClientCAs != nil, 2

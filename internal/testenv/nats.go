@@ -43,6 +43,11 @@ func WithUser(user, password string) NATSOption {
 	return func(o *natsembed.Options) { o.Username, o.Password = user, password }
 }
 
+// WithPublishAllow lets the user of WithUser publish only to these subjects.
+func WithPublishAllow(subjects ...string) NATSOption {
+	return func(o *natsembed.Options) { o.PublishAllow = subjects }
+}
+
 // StartNATS starts a server for the test; cleanup shuts it down.
 func StartNATS(t testing.TB, opts ...NATSOption) *NATS {
 	t.Helper()
