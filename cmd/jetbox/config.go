@@ -41,6 +41,7 @@ type RunFlags struct {
 	Stream        string `name:"stream" env:"JETBOX_STREAM" default:"OUTBOX" help:"JetStream stream (created if missing)."`
 	SubjectPrefix string `name:"subject-prefix" env:"JETBOX_SUBJECT_PREFIX" default:"outbox" help:"Subjects are <prefix>.<aggregate_type>.<event_type>."`
 	HTTPAddr      string `name:"http-addr" env:"JETBOX_HTTP_ADDR" default:"127.0.0.1:8080" help:"Address for /metrics, /healthz and /readyz; empty disables."`
+	PprofAddr     string `name:"pprof-addr" env:"JETBOX_PPROF_ADDR" help:"Serve Go's net/http/pprof on this address, for profiling (no authentication: never expose it); empty disables."`
 
 	IDColumn            string `name:"id-column" env:"JETBOX_ID_COLUMN" default:"id" help:"Row id column (uuid or text): Nats-Msg-Id."`
 	AggregateTypeColumn string `name:"aggregate-type-column" env:"JETBOX_AGGREGATE_TYPE_COLUMN" default:"aggregate_type" help:"Aggregate type column (text)."`

@@ -97,6 +97,13 @@ func TestBadRowStops(t *testing.T) {
 			"aggregate_type", "must each be one NATS subject token"},
 		{"over max_payload", `INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) VALUES ('order', '1', 'E', jsonb_build_object('pad', repeat('x', 20000))) RETURNING id::text`,
 			"max_payload", "raise max_payload"},
+		{"non-string header", `INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers) VALUES ('order', '1', 'E', '{}', '{"retries": 3}') RETURNING id::text`,
+			`header \"retries\" is a number`, "--on-invalid=dead-letter"},
+		// The outbox was cleaned up and a producer re-used an id still inside
+		// the duplicate window: JetStream would drop the row silently.
+		{"repeated id", `WITH gone AS (DELETE FROM outbox WHERE id = (SELECT id FROM outbox ORDER BY created_at LIMIT 1) RETURNING id)
+			INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) SELECT id, 'order', '3', 'E', '{}' FROM gone RETURNING id::text`,
+			"duplicate window", "unique id"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			f := newFixture(t, withNATS(testenv.WithMaxPayload(16*1024)))

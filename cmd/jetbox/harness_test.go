@@ -26,6 +26,11 @@ import (
 var jetboxBin string
 
 func TestMain(m *testing.M) {
+	for _, a := range os.Args {
+		if strings.HasPrefix(a, "-test.fuzzworker") {
+			os.Exit(m.Run()) // fuzz workers run pure fuzz targets only
+		}
+	}
 	dir, err := os.MkdirTemp("", "jetbox-bin-")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)

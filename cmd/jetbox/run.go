@@ -79,11 +79,15 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 	err = streamer.Run(ctx)
 	st := pub.Stats()
 	ev := log.Info()
+	next := ""
 	if err != nil {
 		ev = log.Error().Err(err)
 		var ie *decoder.InvalidEventError
 		if errors.As(err, &ie) {
-			ev = ev.Str("event_id", ie.ID).Str("lsn", ie.LSN.String()).Str("reason", ie.Code).Str("hint", ie.Hint)
+			if ie.DeadLetterable() {
+				next = fmt.Sprintf("the slot stays before this row, so nothing after it is lost: fix the cause and restart, or restart with --on-invalid=dead-letter to publish it to %s._dlq.%s and go on", cfg.Sink.SubjectPrefix, ie.Code)
+			}
+			ev = ev.Str("event_id", ie.ID).Str("lsn", ie.LSN.String()).Str("reason", ie.Code).Str("hint", ie.Hint).Str("next", next)
 			cfg.Metrics.InvalidRows.WithLabelValues(ie.Code, "stop").Inc()
 		}
 	}
@@ -91,6 +95,9 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 		Uint64("duplicates", st.Duplicates).Uint64("publish_errors", st.Errors).Msg("stopped")
 	if err != nil {
 		fmt.Fprintln(stderr, "jetbox:", err)
+		if next != "" {
+			fmt.Fprintln(stderr, "jetbox:", next)
+		}
 		return exitFailure
 	}
 	return exitOK

@@ -173,28 +173,31 @@ func (f *fixture) unrelatedWAL(conn *pgx.Conn) {
 	})
 }
 
-// endLSNOf returns the end LSN of the transaction that inserted id (the LSN
-// test_decoding reports for its COMMIT), from the oracle slot.
+// endLSNOf returns the end LSN of the last transaction that inserted id (the
+// LSN test_decoding reports for its COMMIT), from the oracle slot.
 func (o *oracle) endLSNOf(id string) pglogrepl.LSN {
 	o.f.t.Helper()
 	rows, err := o.f.conn().Query(ctxT(o.f.t, time.Minute), "SELECT lsn::text, data FROM pg_logical_slot_peek_changes('oracle', NULL, NULL)")
 	must(o.f.t, err)
 	defer rows.Close()
-	found := false
+	found, last := false, pglogrepl.LSN(0)
 	for rows.Next() {
 		var lsn, data string
 		must(o.f.t, rows.Scan(&lsn, &data))
-		if strings.Contains(data, id) {
+		if strings.Contains(data, "INSERT") && strings.Contains(data, id) {
 			found = true
 		}
 		if found && strings.HasPrefix(data, "COMMIT") {
 			l, err := pglogrepl.ParseLSN(lsn)
 			must(o.f.t, err)
-			return l
+			found, last = false, l
 		}
 	}
-	o.f.t.Fatalf("no commit found for id %s", id)
-	return 0
+	must(o.f.t, rows.Err())
+	if last == 0 {
+		o.f.t.Fatalf("no commit found for id %s", id)
+	}
+	return last
 }
 
 // lastCommitEnd returns the end LSN of the newest committed transaction.

@@ -160,7 +160,11 @@ func (n *NATS) Restart() {
 // Connect returns a client connection closed at cleanup, and its JetStream.
 func (n *NATS) Connect(t testing.TB) (*nats.Conn, jetstream.JetStream) {
 	t.Helper()
-	nc, err := nats.Connect(n.URL, nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond))
+	opts := []nats.Option{nats.MaxReconnects(-1), nats.ReconnectWait(100 * time.Millisecond)}
+	if n.opts.Username != "" && n.opts.TLS == nil {
+		opts = append(opts, nats.UserInfo(n.opts.Username, n.opts.Password))
+	}
+	nc, err := nats.Connect(n.URL, opts...)
 	if err != nil {
 		t.Fatalf("connect to nats: %v", err)
 	}

@@ -1,0 +1,128 @@
+package main
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jetbox-dev/jetbox/decoder"
+	"github.com/jetbox-dev/jetbox/internal/testenv"
+)
+
+// permissiveOutbox is an outbox without the README's constraints, so a test
+// can commit every kind of bad row.
+const permissiveOutbox = `CREATE TABLE public.outbox (
+  id text, aggregate_type text, aggregate_id text, event_type text, payload jsonb, headers jsonb)`
+
+// TestDeadLetters: with --on-invalid=dead-letter every kind of row that
+// cannot be published becomes a dead letter on outbox._dlq.<reason>, in
+// commit order between the good rows, with headers naming the reason, the
+// row id, its LSN and the original subject; nothing is lost, nothing is
+// stored twice after a SIGKILL, and each is counted in the metrics.
+func TestDeadLetters(t *testing.T) {
+	f := newFixture(t, withDDL(permissiveOutbox), withNATS(testenv.WithMaxPayload(16*1024)))
+	p := f.start("JETBOX_ON_INVALID=dead-letter")
+	f.waitStreaming(p) // the slot exists: rows committed from now on are streamed
+	if code := p.stop(); code != exitOK {
+		t.Fatalf("exit %d", code)
+	}
+	good := func(id string) string {
+		return fmt.Sprintf(`INSERT INTO outbox VALUES ('%s', 'order', 'o-1', 'Created', '{"ok": true}', '{"traceparent": "00-1"}')`, id)
+	}
+	row := func(id, agg, aggID, ev, payload, headers string) string {
+		return fmt.Sprintf(`INSERT INTO outbox VALUES (%s, %s, %s, %s, %s, %s)`, id, agg, aggID, ev, payload, headers)
+	}
+	cases := []struct {
+		sql, reason, rowID string // reason "" = a good row
+	}{
+		{good("good-1"), "", "good-1"},
+		{row("NULL", "'order'", "'1'", "'E'", "'{}'", "NULL"), decoder.ReasonBadID, ""},
+		{row("''", "'order'", "'1'", "'E'", "'{}'", "NULL"), decoder.ReasonBadID, ""},
+		{row("'r-null-payload'", "'order'", "'1'", "'E'", "NULL", "NULL"), decoder.ReasonNullPayload, "r-null-payload"},
+		{row("'r-null-agg-id'", "'order'", "NULL", "'E'", "'{}'", "NULL"), decoder.ReasonNullColumn, "r-null-agg-id"},
+		{row("'r-space'", "'big order'", "'1'", "'E'", "'{}'", "NULL"), decoder.ReasonBadSubject, "r-space"},
+		{row("'r-dot'", "'order'", "'1'", "'a.b'", "'{}'", "NULL"), decoder.ReasonBadSubject, "r-dot"},
+		{row("'r-star'", "'*'", "'1'", "'E'", "'{}'", "NULL"), decoder.ReasonBadSubject, "r-star"},
+		{row("'r-gt'", "'order'", "'1'", "'>'", "'{}'", "NULL"), decoder.ReasonBadSubject, "r-gt"},
+		{row("'r-empty-type'", "''", "'1'", "'E'", "'{}'", "NULL"), decoder.ReasonBadSubject, "r-empty-type"},
+		{row("'r-control'", `E'or\x01der'`, "'1'", "'E'", "'{}'", "NULL"), decoder.ReasonBadSubject, "r-control"},
+		{row("'r-crlf-agg-id'", "'order'", `E'1\r\n2'`, "'E'", "'{}'", "NULL"), decoder.ReasonBadAggregateID, "r-crlf-agg-id"},
+		{row("'r-headers-array'", "'order'", "'1'", "'E'", "'{}'", `'[1]'`), decoder.ReasonBadHeaders, "r-headers-array"},
+		{row("'r-headers-number'", "'order'", "'1'", "'E'", "'{}'", `'{"n": 1}'`), decoder.ReasonBadHeaders, "r-headers-number"},
+		{row("'r-headers-reserved'", "'order'", "'1'", "'E'", "'{}'", `'{"Nats-Msg-Id": "x"}'`), decoder.ReasonBadHeaders, "r-headers-reserved"},
+		{row("'r-big'", "'order'", "'1'", "'E'", `jsonb_build_object('pad', repeat('x', 20000))`, "NULL"), decoder.ReasonTooLarge, "r-big"},
+		{good("good-2"), "", "good-2"},
+		{good("good-1"), decoder.ReasonDuplicateID, "good-1"}, // repeats good-1, two rows back
+		// Two rows of one transaction, the second repeating the first's id.
+		{good("good-3") + "; " + good("good-3"), "", "good-3"},
+		{"", decoder.ReasonDuplicateID, "good-3"}, // (the second row above)
+		{good("good-4"), "", "good-4"},
+	}
+	for _, c := range cases {
+		if c.sql != "" {
+			f.pg.Exec(t, c.sql)
+		}
+	}
+	// A long status interval: nothing is confirmed before the kill below,
+	// so the restart replays every row and dead letter.
+	addr := httpAddr(t)
+	p = f.start("JETBOX_ON_INVALID=dead-letter", "JETBOX_HTTP_ADDR="+addr, "JETBOX_STATUS_INTERVAL=10s", "JETBOX_POSTGRES_TIMEOUT=60s")
+	f.waitCount(len(cases), time.Minute)
+
+	check := func() {
+		msgs := testenv.ReadStream(t, f.js, "OUTBOX", true)
+		if len(msgs) != len(cases) {
+			t.Fatalf("%d messages, want %d; %s", len(msgs), len(cases), f.describeExtra())
+		}
+		for i, c := range cases {
+			m := msgs[i]
+			if c.reason == "" {
+				if m.ID != c.rowID || m.Subject != "outbox.order.Created" || m.Header.Get("traceparent") != "00-1" {
+					t.Fatalf("message %d: id %s subject %s, want good row %s", i, m.ID, m.Subject, c.rowID)
+				}
+				continue
+			}
+			h := m.Header
+			if m.Subject != "outbox._dlq."+c.reason || h.Get(decoder.HeaderDeadLetterReason) != c.reason ||
+				h.Get(decoder.HeaderRowID) != c.rowID || h.Get("Jetbox-Commit-LSN") == "" || !strings.HasPrefix(m.ID, "jetbox-dlq-") ||
+				h.Get(decoder.HeaderTable) != "public.outbox" || !strings.Contains(h.Get(decoder.HeaderDeadLetterError), "transaction 0/") {
+				t.Fatalf("message %d (%s): subject %s id %s headers %v", i, c.rowID, m.Subject, m.ID, h)
+			}
+			switch c.reason {
+			case decoder.ReasonTooLarge:
+				if h.Get(decoder.HeaderPayloadOmitted) != "true" || !strings.Contains(string(m.Data), `"id":"r-big"`) {
+					t.Fatalf("too-large dead letter: headers %v data %.200s", h, m.Data)
+				}
+			case decoder.ReasonNullPayload:
+			default:
+				if len(m.Data) == 0 {
+					t.Fatalf("message %d: dead letter lost the payload", i)
+				}
+			}
+		}
+	}
+	check()
+	counts := scrape(t, addr)
+	if n := counts[`jetbox_invalid_rows_total{action="dead-letter",reason="bad-subject"}`]; n != 6 {
+		t.Fatalf("jetbox_invalid_rows_total bad-subject = %v, want 6", n)
+	}
+	if n := counts[`jetbox_invalid_rows_total{action="dead-letter",reason="duplicate-id"}`]; n != 2 {
+		t.Fatalf("jetbox_invalid_rows_total duplicate-id = %v, want 2", n)
+	}
+
+	// A crash and a replay from the slot store nothing twice.
+	p.kill()
+	p = f.start("JETBOX_ON_INVALID=dead-letter")
+	f.waitStreaming(p)
+	cases = append(cases, struct{ sql, reason, rowID string }{good("good-5"), "", "good-5"})
+	f.pg.Exec(t, good("good-5"))
+	f.waitCount(len(cases), time.Minute)
+	check()
+	if code := p.stop(); code != exitOK {
+		t.Fatalf("exit %d", code)
+	}
+	if st := stoppedLine(t, p.logText()); st["duplicates"].(float64) < float64(len(cases)-1) {
+		t.Fatalf("the restart replayed %v events, want all %d (the test did not test the replay)", st["duplicates"], len(cases)-1)
+	}
+}
