@@ -1,6 +1,7 @@
 package decoder
 
 import (
+	"encoding/binary"
 	"errors"
 	"strings"
 	"testing"
@@ -89,3 +90,58 @@ func FuzzSubject(f *testing.F) {
 }
 
 func splitDots(s string) []string { return strings.Split(s, ".") }
+
+// FuzzDecodeStream decodes a whole session (length-framed messages, see
+// joinMessages; the seeds are real pgoutput traffic) with one decoder:
+// relation changes, transactions and inserts in any order and any shape
+// yield events, nothing or errors; never a panic. Every event it returns is
+// publishable; with dead-lettering on, no outbox row is ever dropped.
+func FuzzDecodeStream(f *testing.F) {
+	f.Add(joinMessages([][]byte{relationMsg(5, "public", "outbox", outboxCols), beginMsg(1, time.Unix(0, 0), 1),
+		insertMsg(5, s(id1), s("order"), s("o-1"), s("E"), s(`{}`), nil, nil), commitMsg(1, 2, time.Unix(0, 0))}))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		for _, dlq := range []string{"", "outbox._dlq"} {
+			d := New(Config{Schema: "public", Table: "outbox", Columns: DefaultColumns, SubjectPrefix: "outbox", DeadLetterSubject: dlq, MaxMessageSize: 1 << 20})
+			rest := data
+			for len(rest) >= 4 {
+				n := int(binary.BigEndian.Uint32(rest))
+				rest = rest[4:]
+				if n > len(rest) {
+					n = len(rest)
+				}
+				msg := rest[:n]
+				rest = rest[n:]
+				m, err := d.Decode(msg)
+				if err != nil {
+					var ie *InvalidEventError
+					if !errors.Is(err, ErrProtocol) && !errors.As(err, &ie) {
+						t.Fatalf("unclassified error %T: %v", err, err)
+					}
+					if ie != nil && dlq != "" && ie.DeadLetterable() {
+						t.Fatalf("dead-letterable row returned as an error: %v", err)
+					}
+					if errors.Is(err, ErrProtocol) {
+						break // the forwarder stops on a protocol error
+					}
+					continue
+				}
+				if m.Kind != KindEvent {
+					continue
+				}
+				ev := m.Event
+				if ev.DeadLetter != nil {
+					if !strings.HasPrefix(ev.Subject, dlq+".") || !strings.HasPrefix(ev.ID, "jetbox-dlq-") {
+						t.Fatalf("dead letter %+v", ev)
+					}
+				} else if _, serr := Subject("outbox", ev.AggregateType, ev.EventType); serr != nil || ev.ID == "" || !printable(ev.ID) || !printable(ev.AggregateID) {
+					t.Fatalf("invalid event accepted: %+v", ev)
+				}
+				for _, h := range ev.Headers {
+					if validHeaderName(h.Key) != nil || !printable(h.Value) {
+						t.Fatalf("unsafe header %q", h)
+					}
+				}
+			}
+		}
+	})
+}
