@@ -98,7 +98,7 @@ func TestFailedEventHoldsTheWindowUntilRequeued(t *testing.T) {
 		t.Fatalf("Safe() passed a failed event: %s", tr.Safe())
 	}
 	r := tr.Requeue()
-	if len(r) != 1 || r[0].Ticket != b || r[0].Payload != "b" {
+	if len(r) != 1 || r[0].Ticket != b || r[0].Payload != "b" || r[0].Err == nil || r[0].Err.Error() != "disconnected" {
 		t.Fatalf("Requeue() = %+v", r)
 	}
 	if n, _ := tr.Failures(); n != 0 {
@@ -117,7 +117,7 @@ func TestFailPendingAbandonsInFlight(t *testing.T) {
 	tr.Done(a)
 	tr.FailPending(errors.New("abandoned"))
 	r := tr.Requeue()
-	if len(r) != 1 || r[0].Payload != "b" {
+	if len(r) != 1 || r[0].Payload != "b" || r[0].Err == nil {
 		t.Fatalf("Requeue() = %+v", r)
 	}
 	tr.Done(a) // a stale ack for an already popped ticket is ignored

@@ -16,15 +16,29 @@ func TestConfigProblemsReportedTogether(t *testing.T) {
 	var out, errOut bytes.Buffer
 	code := realMain([]string{"run", "--nats-url=http://x", "--table=a.b.c", "--slot=Bad-Slot", "--stream=a.b",
 		"--subject-prefix=out box", "--max-in-flight=0", "--publish-timeout=soon", "--payload-column=id",
-		"--order-guard=maybe", "--log-format=xml"}, &out, &errOut)
+		"--order-guard=maybe", "--log-format=xml", "--on-invalid=later"}, &out, &errOut)
 	if code != exitConfig {
 		t.Fatalf("exit %d, want %d", code, exitConfig)
 	}
 	for _, want := range []string{"--postgres-url (JETBOX_POSTGRES_URL): required", "--nats-url", "--table", "--slot", "--stream",
-		"--subject-prefix", "--max-in-flight", "--publish-timeout", "--payload-column", "--order-guard", "--log-format", "fix:"} {
+		"--subject-prefix", "--max-in-flight", "--publish-timeout", "--payload-column", "--order-guard", "--log-format", "--on-invalid", "fix:"} {
 		if !strings.Contains(errOut.String(), want) {
 			t.Errorf("output lacks %q:\n%s", want, errOut.String())
 		}
+	}
+	// Conflicting options, each named with its fix.
+	errOut.Reset()
+	code = realMain([]string{"run", "--postgres-url=postgres://x@127.0.0.1/db", "--delivery=exactly-once", "--order-guard=false",
+		"--dead-letter-subject=outbox._dlq"}, &out, &errOut)
+	for _, want := range []string{"conflicts with --delivery=exactly-once", "set while --on-invalid=stop"} {
+		if code != exitConfig || !strings.Contains(errOut.String(), want) {
+			t.Errorf("exit %d, output lacks %q:\n%s", code, want, errOut.String())
+		}
+	}
+	errOut.Reset()
+	code = realMain([]string{"run", "--postgres-url=postgres://x@127.0.0.1/db", "--on-invalid=dead-letter", "--dead-letter-subject=outbox.order"}, &out, &errOut)
+	if code != exitConfig || !strings.Contains(errOut.String(), "collide with aggregate type order") {
+		t.Errorf("dead-letter subject among the event subjects: exit %d:\n%s", code, errOut.String())
 	}
 	if code := realMain([]string{"run", "--no-such-flag"}, &out, &errOut); code != exitConfig {
 		t.Fatalf("unknown flag: exit %d", code)
