@@ -529,6 +529,7 @@ func (l *loop) republish(ctx context.Context, failed int, cause error) error {
 		if IsPermanent(cause) && l.deadLetterable(cause) == nil {
 			return cause
 		}
+		l.s.setState(metrics.StateRepublishing)
 		// The sink's publish timeout bounds the wait; the cap guards against a
 		// client that never resolves a future.
 		if err := l.closeSession(ctx, 2*time.Minute); err != nil {
@@ -549,7 +550,6 @@ func (l *loop) republish(ctx context.Context, failed int, cause error) error {
 			continue
 		}
 		l.sess = sess
-		l.s.setState(metrics.StateRepublishing)
 		retries := l.tracker.Requeue()
 		l.s.cfg.Metrics.Retries.Add(float64(len(retries)))
 		for _, r := range retries {
