@@ -123,8 +123,9 @@ var deniedSubject = regexp.MustCompile(`Publish to "([^"]+)"`)
 // NoteAsyncError takes the connection's asynchronous errors (give it to
 // nats.ErrorHandler). The server answers a publish it does not permit with
 // an error on the connection, never with a PubAck: a permissions violation
-// for jetbox's subjects (or the JetStream API) fails every pending publish
-// at once, as a permanent error, instead of after --publish-timeout.
+// for jetbox's subjects fails every pending publish at once, as a permanent
+// error, instead of after --publish-timeout. (A denied JetStream API request
+// fails on its own, as that request's error.)
 func (p *Publisher) NoteAsyncError(err error) {
 	if !errors.Is(err, nats.ErrPermissionViolation) {
 		return
@@ -134,7 +135,7 @@ func (p *Publisher) NoteAsyncError(err error) {
 		return
 	}
 	subj := m[1]
-	ours := Captures([]string{p.cfg.SubjectPrefix + ".>", "$JS.API.>"}, subj) ||
+	ours := Captures([]string{p.cfg.SubjectPrefix + ".>"}, subj) ||
 		(p.cfg.DeadLetterSubject != "" && Captures([]string{p.cfg.DeadLetterSubject + ".>"}, subj))
 	if !ours {
 		return
