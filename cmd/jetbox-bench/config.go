@@ -1,0 +1,141 @@
+package main
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// Config is one benchmark run. The defaults are the full-size run of the
+// README's Performance section; smaller values make a quick smoke run.
+type Config struct {
+	JetboxBin   string // the jetbox binary; empty: built from ./cmd/jetbox
+	NATSBin     string // a nats-server binary; empty: the embedded server in a child process
+	WorkDir     string // empty: a new temp dir, removed at the end
+	Keep        bool   // keep WorkDir whole (logs, profiles, the NATS store); with Profile alone the NATS store goes
+	Rows        int    // catch-up rows
+	TxRows      int    // rows per catch-up transaction
+	PayloadSize int    // bytes of each JSON payload
+	BigTx       int    // rows of the single big transaction; 0 skips it
+	Steady      time.Duration
+	SteadyRate  int           // rows/s of the steady runs (1-row transactions)
+	Rates       []int         // knee search: rates stepped through after the steady run
+	Step        time.Duration // duration of each knee step and of the raw publish→consumer run
+	KneeP99     time.Duration // a knee step passes while its p99 stays at or below this
+	Writers     int           // producer connections
+	Starts      int           // warm-slot start-ups measured
+	RelayBatch  int
+	RelayPoll   time.Duration
+	Window      int           // in-flight window of the raw async publish
+	Profile     bool          // an extra, profiled jetbox catch-up (needs jetbox --pprof-addr)
+	Timeout     time.Duration // bound on each wait for a workload to finish
+}
+
+// defaultConfig is the full-size run.
+func defaultConfig() Config {
+	return Config{
+		Rows: 200_000, TxRows: 100, PayloadSize: 300, BigTx: 1_000_000,
+		Steady: 20 * time.Second, SteadyRate: 2000, Rates: []int{4000, 8000, 16000, 32000},
+		Step: 5 * time.Second, KneeP99: 10 * time.Millisecond, Writers: 16, Starts: 3,
+		RelayBatch: 500, RelayPoll: 100 * time.Millisecond, Window: 1024, Timeout: 5 * time.Minute,
+	}
+}
+
+// parseFlags reads the command line into a Config.
+func parseFlags(args []string, stderr io.Writer) (Config, error) {
+	c := defaultConfig()
+	fs := flag.NewFlagSet("jetbox-bench", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() {
+		fmt.Fprintf(stderr, "Usage: go run ./cmd/jetbox-bench [flags]\n\n"+
+			"Starts its own PostgreSQL and NATS server, runs jetbox, a polling relay and the raw limits\n"+
+			"(pg_recvlogical, async JetStream publish) side by side, checks every run's output and prints\n"+
+			"a markdown table. Quick smoke run: --rows 20000 --big-tx 0 --steady 3s --rates 4000 --step 2s\n\nFlags:\n")
+		fs.PrintDefaults()
+	}
+	rates := joinInts(c.Rates)
+	fs.StringVar(&c.JetboxBin, "jetbox", "", "jetbox binary to measure (default: go build ./cmd/jetbox)")
+	fs.StringVar(&c.NATSBin, "nats-bin", "", "nats-server binary (default: the embedded server, in a child process)")
+	fs.StringVar(&c.WorkDir, "work-dir", "", "directory for server data, logs and profiles (default: a temp dir, removed at the end)")
+	fs.BoolVar(&c.Keep, "keep", false, "keep the work directory, the NATS store included")
+	fs.IntVar(&c.Rows, "rows", c.Rows, "catch-up rows")
+	fs.IntVar(&c.TxRows, "tx-rows", c.TxRows, "rows per catch-up transaction")
+	fs.IntVar(&c.PayloadSize, "payload", c.PayloadSize, "JSON payload bytes per row")
+	fs.IntVar(&c.BigTx, "big-tx", c.BigTx, "rows of one big transaction for the memory check (0 skips it)")
+	fs.DurationVar(&c.Steady, "steady", c.Steady, "duration of the steady-state runs")
+	fs.IntVar(&c.SteadyRate, "rate", c.SteadyRate, "rows/s of the steady-state runs (1-row transactions)")
+	fs.StringVar(&rates, "rates", rates, "knee search: further rates (rows/s), comma-separated, stepped through after the steady run; empty skips it")
+	fs.DurationVar(&c.Step, "step", c.Step, "duration of each knee step and of the raw publish→consumer run")
+	fs.DurationVar(&c.KneeP99, "knee-p99", c.KneeP99, "a knee step passes while the achieved rate keeps up and p99 stays at or below this")
+	fs.IntVar(&c.Writers, "writers", c.Writers, "producer connections of the steady runs")
+	fs.IntVar(&c.Starts, "starts", c.Starts, "warm-slot start-ups to time")
+	fs.IntVar(&c.RelayBatch, "relay-batch", c.RelayBatch, "polling relay: rows per round")
+	fs.DurationVar(&c.RelayPoll, "relay-poll", c.RelayPoll, "polling relay: pause after an empty round")
+	fs.IntVar(&c.Window, "window", c.Window, "raw async publish: messages in flight")
+	fs.BoolVar(&c.Profile, "profile", false, "also profile jetbox (CPU, pprof) in an extra catch-up; the profile and the logs stay in the work dir")
+	fs.DurationVar(&c.Timeout, "timeout", c.Timeout, "give up on a workload that has not finished within this")
+	if err := fs.Parse(args); err != nil {
+		return Config{}, err
+	}
+	if fs.NArg() > 0 {
+		return Config{}, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	var err error
+	if c.Rates, err = parseInts(rates); err != nil {
+		return Config{}, fmt.Errorf("--rates: %w", err)
+	}
+	return c, c.validate()
+}
+
+// validate reports every out-of-range setting at once.
+func (c Config) validate() error {
+	var errs []error
+	positive := func(name string, v int) {
+		if v < 1 {
+			errs = append(errs, fmt.Errorf("--%s must be at least 1", name))
+		}
+	}
+	positive("rows", c.Rows)
+	positive("tx-rows", c.TxRows)
+	positive("rate", c.SteadyRate)
+	positive("writers", c.Writers)
+	positive("relay-batch", c.RelayBatch)
+	positive("window", c.Window)
+	if c.PayloadSize < 64 {
+		errs = append(errs, errors.New("--payload must be at least 64 bytes (the steady runs put a timestamp in it)"))
+	}
+	if c.BigTx < 0 || c.Starts < 0 {
+		errs = append(errs, errors.New("--big-tx and --starts must not be negative"))
+	}
+	if c.Steady < time.Second || c.Step < time.Second {
+		errs = append(errs, errors.New("--steady and --step must be at least 1s"))
+	}
+	return errors.Join(errs...)
+}
+
+func parseInts(s string) ([]int, error) {
+	var out []int
+	for _, f := range strings.Split(s, ",") {
+		if f = strings.TrimSpace(f); f == "" {
+			continue
+		}
+		n, err := strconv.Atoi(f)
+		if err != nil || n < 1 {
+			return nil, fmt.Errorf("%q is not a positive number", f)
+		}
+		out = append(out, n)
+	}
+	return out, nil
+}
+
+func joinInts(v []int) string {
+	s := make([]string, len(v))
+	for i, n := range v {
+		s[i] = strconv.Itoa(n)
+	}
+	return strings.Join(s, ",")
+}

@@ -1,0 +1,316 @@
+package main
+
+import (
+	"fmt"
+	"io"
+	"math"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// Failed reports whether a run's output was wrong or a workload failed. The
+// fast-ingest batch is for the report only and does not count.
+func (r *Report) Failed() bool {
+	for _, t := range r.throughputs() {
+		if t != r.FastBatch && t.Err != nil {
+			return true
+		}
+	}
+	for _, l := range r.latencies() {
+		if l.Err != nil {
+			return true
+		}
+	}
+	return r.StartErr != nil || r.SteadyCheck != nil || r.ProfileErr != nil
+}
+
+func (r *Report) throughputs() []*throughput {
+	var out []*throughput
+	for _, t := range []*throughput{r.Dedup, r.ExactlyOnce, r.Relay, r.Recv, r.RawID, r.RawHeaders, r.RawGuarded, r.FastBatch, r.BigTx, r.Profiled} {
+		if t != nil {
+			out = append(out, t)
+		}
+	}
+	return out
+}
+
+func (r *Report) latencies() []latencyRun {
+	var out []latencyRun
+	if r.Steady != nil {
+		out = append(out, *r.Steady)
+	}
+	out = append(out, r.Steps...)
+	for _, l := range []*latencyRun{r.RelaySteady, r.RawSteady} {
+		if l != nil {
+			out = append(out, *l)
+		}
+	}
+	return out
+}
+
+// Print writes the report as markdown.
+func (r *Report) Print(w io.Writer) {
+	fmt.Fprintln(w, "## jetbox-bench")
+	fmt.Fprintln(w)
+	for _, h := range r.Header {
+		fmt.Fprintln(w, h+"  ")
+	}
+	fmt.Fprintln(w)
+	r.printThroughput(w)
+	fmt.Fprintln(w)
+	r.printLatency(w)
+	fmt.Fprintln(w)
+	r.printTargets(w)
+	if r.ProfilePath != "" {
+		fmt.Fprintf(w, "\nCPU profile of jetbox during a catch-up: %s (`go tool pprof -top -cum %s %s`)\n", r.ProfilePath, "<jetbox binary>", r.ProfilePath)
+	}
+	if r.ProfileErr != nil {
+		fmt.Fprintf(w, "\nprofile: FAILED: %v\n", r.ProfileErr)
+	}
+}
+
+func (r *Report) printThroughput(w io.Writer) {
+	fmt.Fprintln(w, "| catch-up / publish | events | events/s | elapsed | forwarder CPU s | Postgres CPU s | NATS CPU s | client CPU s | CPU µs/event | peak RSS | check |")
+	fmt.Fprintln(w, "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|")
+	for _, t := range r.throughputs() {
+		name := t.Name
+		if t.Note != "" {
+			name += " (" + t.Note + ")"
+		}
+		fmt.Fprintf(w, "| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", name, groupDigits(float64(t.Events)),
+			groupDigits(t.rate()), seconds(t.Elapsed), cpuSecs(t.CPU.Forwarder), cpuSecs(t.CPU.Postgres), cpuSecs(t.CPU.NATS),
+			cpuSecs(t.CPU.Client), micros(t.cpuPerEvent()), mebibytes(t.RSS), check(t.Err))
+	}
+}
+
+func (r *Report) printLatency(w io.Writer) {
+	fmt.Fprintln(w, "| steady state, INSERT (publish) → consumer | rows/s target | achieved | p50 | p90 | p99 | max | p50 / p99 to stored | CPU % forwarder / Postgres / NATS / bench | max WAL unsent by the walsender | samples | check |")
+	fmt.Fprintln(w, "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|")
+	for _, l := range r.latencies() {
+		s := l.Stats
+		fmt.Fprintf(w, "| %s | %s | %s | %s | %s | %s | %s | %s / %s | %s | %s | %s | %s |\n", l.Name, groupDigits(float64(l.Rate)), groupDigits(l.Achieved),
+			millis(s.P50), millis(s.P90), millis(s.P99), millis(s.Max), millis(l.Stored.P50), millis(l.Stored.P99),
+			l.cpuShares(), kibibytes(l.MaxUnsent), groupDigits(float64(s.N)), check(l.Err))
+	}
+	fmt.Fprintln(w)
+	if r.Steady != nil {
+		fmt.Fprintln(w, r.kneeText()+"  ")
+	}
+	if r.Steady != nil {
+		fmt.Fprintf(w, "jetbox's steady-state stream (all steps and start-ups): %s.  \n", check(r.SteadyCheck))
+	}
+	if len(r.Startups) > 0 || r.StartErr != nil {
+		fmt.Fprintf(w, "Start-up to first event stored, warm slot (%d starts): %s", len(r.Startups), durations(r.Startups))
+		if r.StartErr != nil {
+			fmt.Fprintf(w, "; FAILED: %v", r.StartErr)
+		}
+		fmt.Fprintln(w)
+	}
+}
+
+// cpuShares is the step's CPU use as percentages of one core.
+func (l latencyRun) cpuShares() string {
+	pct := func(c time.Duration) string {
+		if c < 0 || l.Wall <= 0 {
+			return "—"
+		}
+		return fmt.Sprintf("%.0f", 100*c.Seconds()/l.Wall.Seconds())
+	}
+	return pct(l.CPU.Forwarder) + " / " + pct(l.CPU.Postgres) + " / " + pct(l.CPU.NATS) + " / " + pct(l.CPU.Client)
+}
+
+// kneeText says up to which rate jetbox's latency stayed flat and which rate
+// it sustained.
+func (r *Report) kneeText() string {
+	limit := millis(r.cfg.KneeP99)
+	var s string
+	if r.Knee > 0 {
+		s = fmt.Sprintf("Knee: latency flat (rate kept, p99 ≤ %s) up to %s rows/s", limit, groupDigits(float64(r.Knee)))
+	} else {
+		s = fmt.Sprintf("Knee: latency not flat even at %s rows/s (p99 above %s)", groupDigits(float64(r.Steady.Rate)), limit)
+	}
+	if r.Sustained > 0 {
+		s += fmt.Sprintf("; rate sustained (kept, p99 < %s: no growing backlog) up to %s rows/s", millis(maxSustainedP99), groupDigits(float64(r.Sustained)))
+	}
+	last := r.Steady
+	if n := len(r.Steps); n > 0 {
+		last = &r.Steps[n-1]
+	}
+	if last.sustains() {
+		s += ", the highest rate tried"
+	}
+	return s + "."
+}
+
+// target is one line of the targets table.
+type target struct {
+	what, measured, goal, verdict string
+}
+
+func (r *Report) printTargets(w io.Writer) {
+	fmt.Fprintln(w, "| target | measured | goal | |")
+	fmt.Fprintln(w, "|---|--:|---|---|")
+	for _, t := range r.targets() {
+		fmt.Fprintf(w, "| %s | %s | %s | %s |\n", t.what, t.measured, t.goal, t.verdict)
+	}
+}
+
+// targets compares the run with the issue's targets.
+func (r *Report) targets() []target {
+	var out []target
+	ratio := func(what string, a, b *throughput, goal float64) {
+		t := target{what: what, goal: fmt.Sprintf("≥ %.1f×", goal)}
+		if a.rate() > 0 && b.rate() > 0 {
+			x := a.rate() / b.rate()
+			t.measured, t.verdict = fmt.Sprintf("%.2f× (%s vs %s events/s)", x, groupDigits(a.rate()), groupDigits(b.rate())), verdict(x >= goal)
+		}
+		out = append(out, fill(t))
+	}
+	ratio("catch-up: jetbox vs the polling relay", r.Dedup, r.Relay, 2)
+	ratio("catch-up: jetbox vs pg_recvlogical", r.Dedup, r.Recv, 0.7)
+	if r.Steady != nil && r.Steady.Err == nil {
+		s := r.Steady.Stats
+		out = append(out, target{fmt.Sprintf("p99 at %s rows/s", groupDigits(float64(r.Steady.Rate))), millis(s.P99), "≤ 5 ms", verdict(s.P99 <= 5*time.Millisecond)},
+			target{fmt.Sprintf("p50 at %s rows/s", groupDigits(float64(r.Steady.Rate))), millis(s.P50), "≤ 2 ms", verdict(s.P50 <= 2*time.Millisecond)})
+	} else {
+		out = append(out, fill(target{what: "steady-state latency", goal: "p99 ≤ 5 ms, p50 ≤ 2 ms"}))
+	}
+	for _, t := range []*throughput{r.Dedup, r.ExactlyOnce, r.BigTx} {
+		if t != nil {
+			tg := target{what: "peak RSS: " + t.Name, goal: "≤ 64 MiB"}
+			if t.Err == nil {
+				tg.measured, tg.verdict = mebibytes(t.RSS), verdict(t.RSS <= 64<<20)
+			}
+			out = append(out, fill(tg))
+		}
+	}
+	out = append(out, r.cpuTargets()...)
+	if len(r.Startups) > 0 {
+		worst := slices.Max(r.Startups)
+		out = append(out, target{"start-up to first event, warm slot (worst)", millis(worst), "well under 1 s (≤ 500 ms)", verdict(worst <= 500*time.Millisecond)})
+	}
+	if r.Steady != nil {
+		out = append(out, target{"knee: latency flat up to / rate sustained up to",
+			groupDigits(float64(r.Knee)) + " / " + groupDigits(float64(r.Sustained)) + " rows/s", "report", "—"})
+	}
+	if r.Dedup.rate() > 0 && r.ExactlyOnce.rate() > 0 {
+		out = append(out, target{"cost of --delivery=exactly-once (catch-up rate vs dedup)",
+			fmt.Sprintf("%.2f×", r.ExactlyOnce.rate()/r.Dedup.rate()), "report", "—"})
+	}
+	if r.Dedup.rate() > 0 && r.RawGuarded.rate() > 0 {
+		out = append(out, target{"catch-up: jetbox vs publishing the same messages alone (its NATS-side ceiling)",
+			fmt.Sprintf("%.2f×", r.Dedup.rate()/r.RawGuarded.rate()), "report", "—"})
+	}
+	if r.FastBatch.rate() > 0 && r.RawID.rate() > 0 {
+		out = append(out, target{"fast-ingest batch vs async publish (rate; server + client CPU)",
+			fmt.Sprintf("%.2f×; %s vs %s s", r.FastBatch.rate()/r.RawID.rate(), cpuSecs(r.FastBatch.CPU.NATS+r.FastBatch.CPU.Client),
+				cpuSecs(r.RawID.CPU.NATS+r.RawID.CPU.Client)), "report", "—"})
+	}
+	return out
+}
+
+// cpuTargets: jetbox's own CPU per 100,000 events, and the whole pipeline's
+// CPU per event against the polling relay's.
+func (r *Report) cpuTargets() []target {
+	var out []target
+	if r.Dedup != nil && r.Dedup.Err == nil && r.Dedup.Events > 0 {
+		per := r.Dedup.CPU.Forwarder * 100_000 / time.Duration(r.Dedup.Events)
+		out = append(out, target{"jetbox CPU per 100,000 events (catch-up)", cpuSecs(per) + " s", "report", "—"})
+	}
+	t := target{what: "CPU per event, Postgres + NATS + forwarder: jetbox vs the polling relay", goal: "below the relay's"}
+	if r.Dedup != nil && r.Relay != nil && r.Dedup.Err == nil && r.Relay.Err == nil {
+		a, b := r.Dedup.cpuPerEvent(), r.Relay.cpuPerEvent()
+		t.measured, t.verdict = fmt.Sprintf("%s vs %s µs", micros(a), micros(b)), verdict(a < b)
+	}
+	return append(out, fill(t))
+}
+
+// fill marks a target whose inputs are missing or failed.
+func fill(t target) target {
+	if t.measured == "" {
+		t.measured, t.verdict = "—", "not measured (a run failed or was skipped)"
+	}
+	return t
+}
+
+func verdict(ok bool) string {
+	if ok {
+		return "met"
+	}
+	return "**missed**"
+}
+
+func check(err error) string {
+	if err == nil {
+		return "ok"
+	}
+	return "**FAILED**: " + strings.ReplaceAll(strings.ReplaceAll(err.Error(), "\n", " "), "|", "/")
+}
+
+// groupDigits formats v rounded, with thousands separators: 84,123.
+func groupDigits(v float64) string {
+	s := strconv.FormatInt(int64(math.Round(v)), 10)
+	neg := strings.HasPrefix(s, "-")
+	s = strings.TrimPrefix(s, "-")
+	for i := len(s) - 3; i > 0; i -= 3 {
+		s = s[:i] + "," + s[i:]
+	}
+	if neg {
+		s = "-" + s
+	}
+	return s
+}
+
+func seconds(d time.Duration) string {
+	if d <= 0 {
+		return "—"
+	}
+	return fmt.Sprintf("%.2f s", d.Seconds())
+}
+
+func cpuSecs(d time.Duration) string {
+	if d < 0 {
+		return "—"
+	}
+	return fmt.Sprintf("%.2f", d.Seconds())
+}
+
+func micros(d time.Duration) string {
+	if d <= 0 {
+		return "—"
+	}
+	return fmt.Sprintf("%.1f", float64(d)/float64(time.Microsecond))
+}
+
+func millis(d time.Duration) string {
+	if d <= 0 {
+		return "—"
+	}
+	return fmt.Sprintf("%.2f ms", float64(d)/float64(time.Millisecond))
+}
+
+func kibibytes(b int64) string {
+	if b < 0 {
+		return "—"
+	}
+	return fmt.Sprintf("%s KiB", groupDigits(float64(b)/1024))
+}
+
+func mebibytes(b int64) string {
+	if b <= 0 {
+		return "—"
+	}
+	return fmt.Sprintf("%.1f MiB", float64(b)/(1<<20))
+}
+
+// durations lists ds as "median x, worst y".
+func durations(ds []time.Duration) string {
+	if len(ds) == 0 {
+		return "—"
+	}
+	s := slices.Clone(ds)
+	slices.Sort(s)
+	return fmt.Sprintf("median %s, worst %s", millis(s[len(s)/2]), millis(s[len(s)-1]))
+}

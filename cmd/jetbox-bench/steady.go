@@ -1,0 +1,372 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
+)
+
+// latencyRun is one steady-state run: rows sent at Rate per second in 1-row
+// transactions, and the send → consumer latency of each.
+type latencyRun struct {
+	Name     string
+	Rate     int           // target rows/s
+	Achieved float64       // rows/s actually sent
+	Stats    latencyStats  // send → consumer
+	Stored   latencyStats  // send → stored in the stream (server timestamp)
+	CPU      usage         // during the step (the producer's backends count in Postgres, the bench in Client)
+	Wall     time.Duration // the step's duration, the consumer's drain included
+	// MaxUnsent is the most WAL jetbox's walsender had not sent yet during
+	// the step, in bytes (-1: not sampled): a lag upstream of jetbox.
+	MaxUnsent int64
+	Err       error
+}
+
+// maxSustainedP99 tells a rate the pipeline sustains from one it does not:
+// a backlog growing through a step pushes p99 into the seconds.
+const maxSustainedP99 = 250 * time.Millisecond
+
+// sustains reports whether the rate was kept (≥ 95%) with no growing backlog.
+func (r latencyRun) sustains() bool {
+	return r.Err == nil && r.Achieved >= 0.95*float64(r.Rate) && r.Stats.P99 < maxSustainedP99
+}
+
+// flat reports whether the rate was kept with p99 at or below maxP99.
+func (r latencyRun) flat(maxP99 time.Duration) bool {
+	return r.sustains() && r.Stats.P99 <= maxP99
+}
+
+// sender sends one steady-state message from writer w.
+type sender func(ctx context.Context, w int, payload []byte) error
+
+// steadyLoad drives one consumer's stream with paced senders.
+type steadyLoad struct {
+	b        *bench
+	fwd      *process // the forwarder, measured; nil for the raw publish
+	slot     string   // jetbox's slot, whose walsender's lag is sampled; "" for none
+	consumer *latencyConsumer
+	send     sender
+	sent     int    // messages sent since the consumer started
+	base     uint64 // messages the stream held before
+}
+
+// total is the number of messages the stream should hold.
+func (l *steadyLoad) total() uint64 { return l.base + uint64(l.sent) }
+
+// step sends at rate rows/s for d, waits until the consumer has every
+// message, and returns the step's latencies.
+func (l *steadyLoad) step(ctx context.Context, name string, rate int, d time.Duration) latencyRun {
+	l.b.log.Info().Str("workload", name).Int("rate", rate).Stringer("duration", d).Msg("steady state")
+	began := time.Now()
+	m, err := l.b.startMeter(l.fwd)
+	if err != nil {
+		return latencyRun{Name: name, Rate: rate, Err: err}
+	}
+	var lag *unsentSampler
+	if l.slot != "" {
+		lag = l.b.sampleUnsent(ctx, l.slot)
+	}
+	sent, elapsed, err := l.b.produce(ctx, rate, d, l.send)
+	l.sent += sent
+	if err == nil {
+		err = l.consumer.waitCount(ctx, l.sent, l.b.cfg.Timeout)
+	}
+	cpu, cpuErr := m.read(l.fwd, true)
+	maxUnsent := int64(-1)
+	if lag != nil {
+		maxUnsent = lag.finish()
+	}
+	toConsumer, toStored := l.consumer.take()
+	run := latencyRun{Name: name, Rate: rate, Stats: summarize(toConsumer), Stored: summarize(toStored), CPU: cpu,
+		Wall: time.Since(began), MaxUnsent: maxUnsent, Err: errors.Join(err, cpuErr)}
+	if elapsed > 0 {
+		run.Achieved = float64(sent) / elapsed.Seconds()
+	}
+	l.b.log.Info().Str("workload", name).Float64("achieved", run.Achieved).Stringer("p50", run.Stats.P50).
+		Stringer("p99", run.Stats.P99).Stringer("p99_stored", run.Stored.P99).Err(err).Msg("steady state done")
+	return run
+}
+
+// warmUp sends one message per writer (connections and prepared statements
+// ready) and drops their latencies.
+func (l *steadyLoad) warmUp(ctx context.Context) error {
+	for w := range l.b.cfg.Writers {
+		if err := l.send(ctx, w, timedPayload(time.Now(), l.b.cfg.PayloadSize)); err != nil {
+			return err
+		}
+	}
+	l.sent += l.b.cfg.Writers
+	err := l.consumer.waitCount(ctx, l.sent, l.b.cfg.Timeout)
+	l.consumer.take()
+	return err
+}
+
+// produce calls send at rate per second for d, spread over cfg.Writers
+// concurrent writers, each send stamped with its own send time. It returns
+// how many were sent and how long that took (to the end of the last send).
+func (b *bench) produce(ctx context.Context, rate int, d time.Duration, send sender) (int, time.Duration, error) {
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	tokens := make(chan struct{}, 4*b.cfg.Writers)
+	var sent atomic.Int64
+	var wg sync.WaitGroup
+	for w := range b.cfg.Writers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for range tokens {
+				if err := send(ctx, w, timedPayload(time.Now(), b.cfg.PayloadSize)); err != nil {
+					cancel(err)
+					return
+				}
+				sent.Add(1)
+			}
+		}()
+	}
+	start := time.Now()
+	err := pace(ctx, start, rate, int(float64(rate)*d.Seconds()), tokens)
+	close(tokens)
+	wg.Wait()
+	elapsed := time.Since(start)
+	if cause := context.Cause(ctx); cause != nil && !errors.Is(cause, context.Canceled) {
+		err = fmt.Errorf("send: %w", cause)
+	}
+	return int(sent.Load()), elapsed, err
+}
+
+// pace hands out total tokens, the i-th due at start + i/rate; it blocks
+// while the writers are all busy (the achieved rate then shows it).
+func pace(ctx context.Context, start time.Time, rate, total int, tokens chan<- struct{}) error {
+	tick := time.NewTicker(time.Millisecond)
+	defer tick.Stop()
+	for issued := 0; issued < total; {
+		due := min(total, int(time.Since(start).Seconds()*float64(rate))+1)
+		for ; issued < due; issued++ {
+			select {
+			case tokens <- struct{}{}:
+			case <-ctx.Done():
+				return context.Cause(ctx)
+			}
+		}
+		select {
+		case <-tick.C:
+		case <-ctx.Done():
+			return context.Cause(ctx)
+		}
+	}
+	return nil
+}
+
+// steadyInsert is one row in its own transaction.
+const steadyInsert = `INSERT INTO public.outbox (aggregate_type, aggregate_id, event_type, payload) VALUES ('order', $1, 'OrderPlaced', $2::jsonb)`
+
+// sqlWriters are the producer's connections to one outbox database.
+type sqlWriters []*pgx.Conn
+
+// openWriters connects cfg.Writers producers to database db.
+func (b *bench) openWriters(ctx context.Context, db string) (sqlWriters, error) {
+	ws := make(sqlWriters, 0, b.cfg.Writers)
+	for range b.cfg.Writers {
+		c, err := pgx.Connect(ctx, b.srv.dsn(db))
+		if err != nil {
+			ws.close()
+			return nil, fmt.Errorf("connect writer to %s: %w", db, err)
+		}
+		ws = append(ws, c)
+	}
+	return ws, nil
+}
+
+func (ws sqlWriters) close() {
+	for _, c := range ws {
+		c.Close(context.Background())
+	}
+}
+
+// send commits one outbox row from writer w.
+func (ws sqlWriters) send(ctx context.Context, w int, payload []byte) error {
+	if _, err := ws[w].Exec(ctx, steadyInsert, strconv.Itoa(w), payload); err != nil {
+		return fmt.Errorf("insert from writer %d: %w", w, err)
+	}
+	return nil
+}
+
+// jetboxSteady runs jetbox at cfg.SteadyRate for cfg.Steady, then steps
+// through cfg.Rates until a step no longer keeps up (the knee), then times
+// warm-slot start-ups, and finally checks the stream (every row once, in
+// commit order).
+func (b *bench) jetboxSteady(ctx context.Context, rep *Report) {
+	d := newDeployment("steady", "dedup")
+	fail := func(err error) { rep.Steady = &latencyRun{Name: "jetbox", Rate: b.cfg.SteadyRate, Err: err} }
+	if err := b.prime(ctx, d, outboxDDL); err != nil {
+		fail(fmt.Errorf("prime: %w", err))
+		return
+	}
+	ws, err := b.openWriters(ctx, d.db)
+	if err != nil {
+		fail(err)
+		return
+	}
+	defer ws.close()
+	load, stop, err := b.startSQLLoad(ctx, d, ws, func() (*process, error) { return b.startJetbox(d) }, true)
+	if err != nil {
+		fail(err)
+		return
+	}
+	defer load.consumer.stop()
+	load.slot = d.slot
+	run := load.step(ctx, "jetbox", b.cfg.SteadyRate, b.cfg.Steady)
+	rep.Steady = &run
+	b.stepUp(ctx, rep, load, run)
+	if err := stop(); err != nil {
+		rep.SteadyCheck = err
+		return
+	}
+	rep.Startups, rep.StartErr = b.startups(ctx, d, ws, load)
+	rep.SteadyCheck = b.verify(ctx, d.db, d.stream, true)
+}
+
+// stepUp steps jetbox's load through cfg.Rates after the steady run, while
+// the pipeline sustains the rate, and records the knee: the highest rate up
+// to which every step kept p99 ≤ cfg.KneeP99, and the highest sustained rate.
+func (b *bench) stepUp(ctx context.Context, rep *Report, load *steadyLoad, last latencyRun) {
+	flat := last.flat(b.cfg.KneeP99)
+	if flat {
+		rep.Knee = last.Rate
+	}
+	if last.sustains() {
+		rep.Sustained = last.Rate
+	}
+	for _, rate := range b.cfg.Rates {
+		if !last.sustains() || ctx.Err() != nil {
+			return
+		}
+		last = load.step(ctx, "jetbox", rate, b.cfg.Step)
+		rep.Steps = append(rep.Steps, last)
+		if flat = flat && last.flat(b.cfg.KneeP99); flat {
+			rep.Knee = rate
+		}
+		if last.sustains() {
+			rep.Sustained = rate
+		}
+	}
+}
+
+// startSQLLoad starts a forwarder with start (waiting until jetbox streams,
+// when streams is set) and a latency consumer on d's stream, and warms up
+// the writers. stop ends the forwarder.
+func (b *bench) startSQLLoad(ctx context.Context, d deployment, ws sqlWriters, start func() (*process, error), streams bool) (*steadyLoad, func() error, error) {
+	p, err := start()
+	if err != nil {
+		return nil, nil, err
+	}
+	stop := func() error { return p.stop(30 * time.Second) }
+	if streams {
+		if err := b.waitStreaming(ctx, p, d.slot); err != nil {
+			p.kill()
+			return nil, nil, err
+		}
+	}
+	c, err := b.startLatencyConsumer(ctx, d.stream)
+	if err != nil {
+		p.kill()
+		return nil, nil, err
+	}
+	n, err := b.streamMsgs(ctx, d.stream)
+	if err != nil {
+		p.kill()
+		return nil, nil, err
+	}
+	load := &steadyLoad{b: b, fwd: p, consumer: c, send: ws.send, base: n}
+	if err := load.warmUp(ctx); err != nil {
+		p.kill()
+		return nil, nil, fmt.Errorf("warm up: %w", err)
+	}
+	return load, stop, nil
+}
+
+// startups times jetbox's start on a warm slot: with one row committed while
+// it was stopped, from exec to that row stored in the stream.
+func (b *bench) startups(ctx context.Context, d deployment, ws sqlWriters, load *steadyLoad) ([]time.Duration, error) {
+	var out []time.Duration
+	for range b.cfg.Starts {
+		if err := ws.send(ctx, 0, timedPayload(time.Now(), b.cfg.PayloadSize)); err != nil {
+			return out, err
+		}
+		load.sent++
+		p, err := b.startJetbox(d)
+		if err != nil {
+			return out, err
+		}
+		if _, err := b.waitStored(ctx, d.stream, load.total(), p); err != nil {
+			p.kill()
+			return out, err
+		}
+		_, stored, err := b.storedSpan(ctx, d.stream, load.total(), load.total())
+		if err != nil {
+			p.kill()
+			return out, err
+		}
+		out = append(out, stored.Sub(p.started))
+		if err := stopJetbox(p); err != nil {
+			return out, err
+		}
+	}
+	return out, nil
+}
+
+// relaySteady runs the polling relay at cfg.SteadyRate for cfg.Steady, on
+// the relay's table and stream from its catch-up.
+func (b *bench) relaySteady(ctx context.Context) *latencyRun {
+	d := relayDeployment
+	ws, err := b.openWriters(ctx, d.db)
+	if err != nil {
+		return &latencyRun{Name: "polling relay", Rate: b.cfg.SteadyRate, Err: err}
+	}
+	defer ws.close()
+	load, stop, err := b.startSQLLoad(ctx, d, ws, func() (*process, error) { return b.startRelay(d) }, false)
+	if err != nil {
+		return &latencyRun{Name: "polling relay", Rate: b.cfg.SteadyRate, Err: err}
+	}
+	defer load.consumer.stop()
+	run := load.step(ctx, "polling relay", b.cfg.SteadyRate, b.cfg.Steady)
+	if err := stop(); err != nil && run.Err == nil {
+		run.Err = err
+	}
+	if run.Err == nil {
+		run.Err = b.verifyRelay(ctx, d)
+	}
+	return &run
+}
+
+// rawSteady is the floor: messages published straight to JetStream (one
+// synchronous publish per message per writer) → the same kind of consumer.
+func (b *bench) rawSteady(ctx context.Context) *latencyRun {
+	const stream, prefix = "RAWLAT", "rawlat"
+	name := "raw JetStream publish → consumer"
+	if err := b.createStream(ctx, stream, prefix, false); err != nil {
+		return &latencyRun{Name: name, Rate: b.cfg.SteadyRate, Err: err}
+	}
+	c, err := b.startLatencyConsumer(ctx, stream)
+	if err != nil {
+		return &latencyRun{Name: name, Rate: b.cfg.SteadyRate, Err: err}
+	}
+	defer c.stop()
+	send := func(ctx context.Context, w int, payload []byte) error {
+		_, err := b.srv.js.PublishMsg(ctx, &nats.Msg{Subject: prefix + ".order.OrderPlaced", Data: payload})
+		return err
+	}
+	load := &steadyLoad{b: b, consumer: c, send: send}
+	if err := load.warmUp(ctx); err != nil {
+		return &latencyRun{Name: name, Rate: b.cfg.SteadyRate, Err: err}
+	}
+	run := load.step(ctx, name, b.cfg.SteadyRate, b.cfg.Step)
+	return &run
+}
