@@ -181,6 +181,10 @@ type Session struct {
 	prevID  string
 	prevPos Position
 
+	// the current transaction's header values, formatted once
+	txLSN                 pglogrepl.LSN
+	txLSNText, txTimeText string
+
 	// exactly-once mode
 	nextSeq uint64   // the stream's last sequence before the next publish
 	last    Position // position of the stream's last message
@@ -322,33 +326,41 @@ func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
 			Reason: fmt.Sprintf("the id repeats the previous row's (transaction %s, row %d) inside the duplicate window: JetStream would drop this row silently", pglogrepl.LSN(s.prevPos.CommitLSN), s.prevPos.TxIndex),
 			Hint:   duplicateHint}
 	}
-	msg := &nats.Msg{Subject: ev.Subject, Data: ev.Payload, Header: make(nats.Header, 8+len(ev.Headers))}
-	for _, h := range ev.Headers {
-		msg.Header[h.Key] = []string{h.Value} // keep the producer's spelling (traceparent)
+	// Header keys are set canonical and directly (not through publish
+	// options): the hot path then skips re-canonicalising every key.
+	h := make(nats.Header, 12+len(ev.Headers))
+	for _, uh := range ev.Headers {
+		h[uh.Key] = []string{uh.Value} // keep the producer's spelling (traceparent)
 	}
-	msg.Header[HeaderAggregateType] = []string{ev.AggregateType}
-	msg.Header[HeaderAggregateID] = []string{ev.AggregateID}
-	msg.Header[HeaderEventType] = []string{ev.EventType}
-	msg.Header[HeaderCommitLSN] = []string{ev.CommitLSN.String()}
-	msg.Header[HeaderCommitTime] = []string{ev.CommitTime.UTC().Format(CommitTimeLayout)}
-	msg.Header[HeaderTxIndex] = []string{strconv.Itoa(ev.TxIndex)}
+	if ev.CommitLSN != s.txLSN || s.txLSNText == "" { // one transaction's strings, formatted once
+		s.txLSN, s.txLSNText, s.txTimeText = ev.CommitLSN, ev.CommitLSN.String(), ev.CommitTime.UTC().Format(CommitTimeLayout)
+	}
+	h[HeaderAggregateType] = []string{ev.AggregateType}
+	h[HeaderAggregateID] = []string{ev.AggregateID}
+	h[HeaderEventType] = []string{ev.EventType}
+	h[HeaderCommitLSN] = []string{s.txLSNText}
+	h[HeaderCommitTime] = []string{s.txTimeText}
+	h[HeaderTxIndex] = []string{strconv.Itoa(ev.TxIndex)}
 	if ev.Source != "" {
-		msg.Header[HeaderSource] = []string{ev.Source}
+		h[HeaderSource] = []string{ev.Source}
 	}
-
-	// ExpectStream: an ack from another stream that took over the subjects is an error.
-	opts := []jetstream.PublishOpt{jetstream.WithMsgID(ev.ID), jetstream.WithExpectStream(s.p.cfg.Stream)}
+	h[jetstream.MsgIDHeader] = []string{ev.ID}
+	// An ack from another stream that took over the subjects is an error.
+	h[jetstream.ExpectedStreamHeader] = []string{s.p.cfg.Stream}
+	var opts []jetstream.PublishOpt
 	switch {
 	case s.p.cfg.ExactlyOnce:
 		// Both: the sequence alone could be matched by a message someone
 		// else slipped in after a refused one; the previous id could not.
-		opts = append(opts, jetstream.WithExpectLastSequence(s.nextSeq), jetstream.WithRetryAttempts(0))
+		h[jetstream.ExpectedLastSeqHeader] = []string{strconv.FormatUint(s.nextSeq, 10)}
+		opts = append(opts, jetstream.WithRetryAttempts(0))
 		if s.lastID != "" {
-			opts = append(opts, jetstream.WithExpectLastMsgID(s.lastID))
+			h[jetstream.ExpectedLastMsgIDHeader] = []string{s.lastID}
 		}
 	case s.p.cfg.OrderGuard && s.lastID != "":
-		opts = append(opts, jetstream.WithExpectLastMsgID(s.lastID))
+		h[jetstream.ExpectedLastMsgIDHeader] = []string{s.lastID}
 	}
+	msg := &nats.Msg{Subject: ev.Subject, Data: ev.Payload, Header: h}
 	fut, err := s.p.js.PublishMsgAsync(msg, opts...)
 	if err != nil {
 		s.p.stats.errors.Add(1)
@@ -457,7 +469,6 @@ func (s *Session) checkDuplicate(pa pendingAck, seq uint64) error {
 }
 
 const duplicateHint = "give every outbox row a unique id (the default gen_random_uuid()); run with --on-invalid=dead-letter to send this row to the dead-letter subject"
-
 
 // Close waits until every published event's done was called, or ctx ends;
 // in that case the remaining acks are abandoned and their done never runs.
