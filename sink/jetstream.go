@@ -4,11 +4,21 @@
 // Each event becomes one message with Nats-Msg-Id = the outbox row id, so the
 // stream's duplicate window absorbs replays; a Duplicate PubAck is success.
 // Publishing is asynchronous and pipelined. With the order guard on (the
-// default), every message of a session but the first carries
-// Nats-Expected-Last-Msg-Id = the previous event's id: if one message is lost
-// (a reconnect drops the client's write buffer), JetStream refuses every later
-// one, so the stream can hold neither a gap nor a reordering. The failure ends
-// the session and the replay from the slot fills the hole in order.
+// default, and always in exactly-once mode), every message carries
+// Nats-Expected-Last-Sequence: the stream's last sequence when the session
+// opened plus the messages published before it in the session. If one
+// message is lost (a reconnect drops the client's write buffer, a leader
+// dies with it), JetStream refuses every later one, so the stream can hold
+// neither a gap nor a reordering. The failure ends the session and the
+// republish fills the hole in order.
+//
+// Exactly-once mode on an R1 stream also sends Nats-Expected-Last-Msg-Id =
+// the previous event's id, so a foreign message slipped in after a refused
+// publish cannot let a later event of ours match its expected sequence. Not
+// on replicated streams: nats-server 2.14 and 2.15 check that header only
+// when replicas apply the message and take the stream down on a mismatch
+// (or on valid messages, after a replica's catch-up); the expected sequence
+// is checked by the leader. There, checkSinceLastAck stops jetbox instead.
 package sink
 
 import (
@@ -90,6 +100,7 @@ type Publisher struct {
 	log   zerolog.Logger
 	stats struct{ published, duplicates, errors atomic.Uint64 }
 
+	ackedSeq  atomic.Uint64 // highest stream sequence this process saw stored, in order
 	denyOnce  sync.Once
 	denied    chan struct{} // closed on the first permissions violation for our subjects
 	deniedErr error
@@ -163,12 +174,14 @@ type Session struct {
 	pending chan pendingAck
 	quit    chan struct{}
 	wg      sync.WaitGroup
-	lastID  string
 	closing sync.Once // closes pending
 	quitter sync.Once // closes quit
 
 	stream jetstream.Stream
 	source string // this writer's WAL history
+	// idGuard: also expect the previous message's id (exactly-once, R1).
+	idGuard bool
+	lastID  string
 	// watermark: position of the stream's last message when the session
 	// opened, if jetbox wrote it from this source. A Duplicate PubAck at or
 	// before it is a replay; one after it is checked against the original.
@@ -230,7 +243,7 @@ func (p *Publisher) Open(ctx context.Context, source string) (*Session, error) {
 
 // ErrForeignMessage means the stream holds a message jetbox did not write,
 // which exactly-once mode cannot order against.
-var ErrForeignMessage = errors.New("the stream's last message was not written by jetbox")
+var ErrForeignMessage = errors.New("the stream holds a message jetbox did not write")
 
 // resume checks the stream still exists and captures jetbox's subjects (so
 // a stream deleted or changed while jetbox runs stops it with a clear error
@@ -250,6 +263,7 @@ func (s *Session) resume(ctx context.Context) error {
 	}
 	s.stream = st
 	info := st.CachedInfo()
+	s.idGuard = s.p.cfg.ExactlyOnce && info.Config.Replicas <= 1
 	for _, want := range []string{s.p.cfg.SubjectPrefix + ".>", s.p.cfg.DeadLetterSubject + ".>"} {
 		if want != ".>" && !Captures(info.Config.Subjects, want) {
 			return &PermanentError{Err: fmt.Errorf("stream %q has subjects %q, which no longer capture %q (changed while jetbox ran?)", name, info.Config.Subjects, want),
@@ -288,10 +302,44 @@ func (s *Session) resume(ctx context.Context) error {
 		return &PermanentError{Err: fmt.Errorf("exactly-once: the stream's last message (seq %d) comes from %q, this jetbox reads %q", s.nextSeq, m.Header.Get(HeaderSource), s.source),
 			Hint: "positions from another database, slot, cluster or timeline (a failover, a PITR) are not comparable: give each jetbox its own stream; after a failover check the stream against the table, then use --delivery=dedup or a new stream"}
 	}
+	if err := s.checkSinceLastAck(ctx, st, s.nextSeq); err != nil {
+		return err
+	}
 	s.last, s.watermark, s.hasWatermark = pos, pos, true
 	s.lastID = m.Header.Get(jetstream.MsgIDHeader)
 	s.p.log.Info().Uint64("seq", s.nextSeq).Str("lsn", pglogrepl.LSN(pos.CommitLSN).String()).Int("tx_index", pos.TxIndex).
 		Msg("exactly-once: resuming after the stream's last message")
+	return nil
+}
+
+// checkSinceLastAck makes sure every message stored after the last one this
+// process saw acked in order (no failure before it in its session) is
+// jetbox's, from this source: a foreign message that slipped in after a
+// refused publish would otherwise let a later one of ours match its
+// expected sequence, and resuming after that one would skip the refused
+// event. At most a window of our messages can be there.
+func (s *Session) checkSinceLastAck(ctx context.Context, st jetstream.Stream, lastSeq uint64) error {
+	acked := s.p.ackedSeq.Load()
+	if acked == 0 || lastSeq <= acked {
+		return nil
+	}
+	if lastSeq-acked > uint64(s.p.cfg.MaxPending)+16 {
+		return &PermanentError{Err: fmt.Errorf("exactly-once: %w: %d messages were stored after jetbox's last acked one (seq %d), more than it had in flight", ErrForeignMessage, lastSeq-acked, acked),
+			Hint: "exactly-once mode needs jetbox to be the stream's only writer: stop the other publisher (or use --delivery=dedup), then restart jetbox"}
+	}
+	for seq := acked + 1; seq < lastSeq; seq++ {
+		m, err := st.GetMsg(ctx, seq)
+		if errors.Is(err, jetstream.ErrMsgNotFound) {
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("exactly-once: read message seq %d: %w", seq, err)
+		}
+		if _, ok := positionOf(m.Header); !ok || m.Header.Get(HeaderSource) != s.source {
+			return &PermanentError{Err: fmt.Errorf("exactly-once: %w (seq %d, subject %s, after jetbox's seq %d)", ErrForeignMessage, seq, m.Subject, acked),
+				Hint: "exactly-once mode needs jetbox to be the stream's only writer: stop the other publisher (or use --delivery=dedup), then restart jetbox"}
+		}
+	}
 	return nil
 }
 
@@ -348,17 +396,18 @@ func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
 	// An ack from another stream that took over the subjects is an error.
 	h[jetstream.ExpectedStreamHeader] = []string{s.p.cfg.Stream}
 	var opts []jetstream.PublishOpt
-	switch {
-	case s.p.cfg.ExactlyOnce:
-		// Both: the sequence alone could be matched by a message someone
-		// else slipped in after a refused one; the previous id could not.
+	// A replay of what the stream held when the session opened goes without
+	// an expected sequence: it is a Duplicate and stores nothing.
+	guarded := (s.p.cfg.ExactlyOnce || s.p.cfg.OrderGuard) && !(s.hasWatermark && !s.watermark.Less(pos))
+	if guarded {
+		// Pipelined: the k-th message in flight expects base+k-1. A
+		// Duplicate PubAck after the watermark stores nothing, so the
+		// messages after it are refused and republished by a new session.
 		h[jetstream.ExpectedLastSeqHeader] = []string{strconv.FormatUint(s.nextSeq, 10)}
 		opts = append(opts, jetstream.WithRetryAttempts(0))
-		if s.lastID != "" {
+		if s.idGuard && s.lastID != "" {
 			h[jetstream.ExpectedLastMsgIDHeader] = []string{s.lastID}
 		}
-	case s.p.cfg.OrderGuard && s.lastID != "":
-		h[jetstream.ExpectedLastMsgIDHeader] = []string{s.lastID}
 	}
 	msg := &nats.Msg{Subject: ev.Subject, Data: ev.Payload, Header: h}
 	fut, err := s.p.js.PublishMsgAsync(msg, opts...)
@@ -370,8 +419,10 @@ func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
 		}
 		return fmt.Errorf("publish to %s: %w", ev.Subject, err)
 	}
-	s.lastID, s.prevID, s.prevPos = ev.ID, ev.ID, pos
-	s.nextSeq++
+	s.prevID, s.prevPos, s.lastID = ev.ID, pos, ev.ID
+	if guarded {
+		s.nextSeq++
+	}
 	s.pending <- pendingAck{fut: fut, done: done, committed: ev.CommitTime, id: ev.ID, pos: pos, size: len(ev.Payload)}
 	return nil
 }
@@ -395,10 +446,14 @@ func tooLarge(id string, lsn pglogrepl.LSN, txIndex int, what string) *decoder.I
 func (s *Session) watch() {
 	defer s.wg.Done()
 	m := s.p.cfg.Metrics
+	// broken: a publish of this session was not stored as a new message;
+	// acks after it do not move ackedSeq (see checkSinceLastAck).
+	broken := false
 	for pa := range s.pending {
 		select {
 		case ack := <-pa.fut.Ok():
 			if ack.Duplicate {
+				broken = true
 				if err := s.checkDuplicate(pa, ack.Sequence); err != nil {
 					s.p.stats.errors.Add(1)
 					m.PublishErrors.Inc()
@@ -408,16 +463,21 @@ func (s *Session) watch() {
 				s.p.stats.duplicates.Add(1)
 				m.Duplicates.Inc()
 			} else {
+				if !broken && ack.Sequence > s.p.ackedSeq.Load() {
+					s.p.ackedSeq.Store(ack.Sequence) // only this goroutine stores while the session runs
+				}
 				s.p.stats.published.Add(1)
 				m.Published.Inc()
 				m.Latency.Observe(time.Since(pa.committed).Seconds())
 			}
 			pa.done(nil)
 		case err := <-pa.fut.Err():
+			broken = true
 			s.p.stats.errors.Add(1)
 			m.PublishErrors.Inc()
 			pa.done(s.p.classify(pa, err))
 		case <-s.p.denied:
+			broken = true
 			s.p.stats.errors.Add(1)
 			m.PublishErrors.Inc()
 			pa.done(s.p.deniedErr)

@@ -32,7 +32,7 @@ func baseConfig() sink.Config {
 
 func event(id, agg, typ string) *decoder.Event {
 	return &decoder.Event{ID: id, Subject: "outbox." + agg + "." + typ, AggregateType: agg, AggregateID: "a1",
-		EventType: typ, Payload: []byte(`{"id":"` + id + `"}`), CommitLSN: 0x16B3748, CommitTime: time.Unix(1, 5).UTC()}
+		EventType: typ, Payload: []byte(`{"id":"` + id + `"}`), CommitLSN: 0x16B3748, CommitTime: time.Unix(1, 5).UTC(), Source: "test"}
 }
 
 // publishAll publishes evs in one session and returns each done error.

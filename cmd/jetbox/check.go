@@ -6,9 +6,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/jetbox-dev/jetbox/internal/check"
@@ -89,7 +91,7 @@ func checkAll(ctx context.Context, cfg Config, log zerolog.Logger) checkResult {
 	}
 	if nsErr != nil {
 		what := fmt.Sprintf("connect to %s: %v", redact(cfg.NatsURL), nsErr)
-		if errors.Is(nsErr, nats.ErrNoServers) || errors.Is(nsErr, nats.ErrTimeout) || strings.Contains(nsErr.Error(), "connection refused") {
+		if natsUnreachable(nsErr) {
 			r.unreachable = append(r.unreachable, fmt.Errorf("nats: %s; fix: check --nats-url and that NATS is up", what))
 		} else {
 			ns = append(ns, check.Finding{Severity: check.Error, Check: "nats.connect", What: what,
@@ -98,6 +100,15 @@ func checkAll(ctx context.Context, cfg Config, log zerolog.Logger) checkResult {
 	}
 	r.findings = append(pg, ns...)
 	return r
+}
+
+// natsUnreachable tells a server that is down or behind a closing proxy or
+// load balancer (retry) from a refusal: bad credentials or TLS (stop).
+func natsUnreachable(err error) bool {
+	var ne net.Error
+	return errors.Is(err, nats.ErrNoServers) || errors.Is(err, nats.ErrTimeout) || errors.Is(err, io.EOF) ||
+		errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ECONNRESET) ||
+		(errors.As(err, &ne) && ne.Timeout()) || strings.Contains(err.Error(), "connection refused")
 }
 
 // checkCmd is `jetbox check`: every problem of both sides in one run.

@@ -3,11 +3,13 @@ package main
 import (
 	"bytes"
 	"fmt"
+	"net"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/jetbox-dev/jetbox/internal/testenv"
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
@@ -163,5 +165,30 @@ func TestBadRowStops(t *testing.T) {
 				t.Fatalf("stream %+v", got)
 			}
 		})
+	}
+}
+
+// TestNATSBehindClosingProxyIsUnreachable: a listener that accepts and
+// closes (NATS down behind a load balancer) is "unreachable" (retried),
+// not a credentials problem (exit 2).
+func TestNATSBehindClosingProxyIsUnreachable(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	must(t, err)
+	defer ln.Close()
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			c.Close()
+		}
+	}()
+	_, err = nats.Connect("nats://"+ln.Addr().String(), nats.Timeout(2*time.Second))
+	if err == nil || !natsUnreachable(err) {
+		t.Fatalf("connect error %v: not classified as unreachable", err)
+	}
+	if natsUnreachable(nats.ErrAuthorization) {
+		t.Fatal("an authorization failure classified as unreachable")
 	}
 }

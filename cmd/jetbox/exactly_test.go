@@ -108,7 +108,7 @@ func TestExactlyOnceForeignPublisher(t *testing.T) {
 	if code := p.wait(time.Minute); code != exitFailure {
 		t.Fatalf("exit %d, want %d:\n%s", code, exitFailure, p.tail(3000))
 	}
-	if log := p.logText(); !strings.Contains(log, "not written by jetbox") || !strings.Contains(log, "only writer") {
+	if log := p.logText(); !strings.Contains(log, "a message jetbox did not write") || !strings.Contains(log, "only writer") {
 		t.Fatalf("no clear error:\n%s", p.tail(3000))
 	}
 	got := testenv.ReadStream(t, f.js, "OUTBOX", false)
