@@ -61,7 +61,7 @@ type Config struct {
 	DuplicateWindow time.Duration // for a stream jetbox creates
 	PublishTimeout  time.Duration // how long to wait for one PubAck
 	MaxPending      int           // async publishes in flight (the tracker's window)
-	OrderGuard      bool          // set Nats-Expected-Last-Msg-Id (see package doc)
+	OrderGuard      bool          // set Nats-Expected-Last-Sequence (see package doc)
 	// ExactlyOnce: jetbox is the stream's only writer; every publish expects
 	// the stream's last sequence, and replayed events at or before the
 	// stream's last message are skipped by position (see Open).

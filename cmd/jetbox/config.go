@@ -57,7 +57,7 @@ type RunFlags struct {
 	Delivery         string `name:"delivery" env:"JETBOX_DELIVERY" default:"dedup" help:"dedup: Nats-Msg-Id dedup within the duplicate window; exactly-once: jetbox is the stream's only writer, publishes expect the last sequence and replays are skipped by position, whatever the window."`
 	OnInvalid        string `name:"on-invalid" env:"JETBOX_ON_INVALID" default:"stop" help:"A row that cannot be published: stop (exit 1, slot kept before it) or dead-letter (publish it to --dead-letter-subject.<reason> and go on)."`
 	DeadLetterSubj   string `name:"dead-letter-subject" env:"JETBOX_DEAD_LETTER_SUBJECT" help:"With --on-invalid=dead-letter: subject prefix for dead letters, captured by the stream. Default <subject-prefix>._dlq." placeholder:"SUBJECT"`
-	OrderGuard       string `name:"order-guard" env:"JETBOX_ORDER_GUARD" default:"true" help:"Send Nats-Expected-Last-Msg-Id so the stream never holds a gap or reordering (needs jetbox to be the stream's only writer)."`
+	OrderGuard       string `name:"order-guard" env:"JETBOX_ORDER_GUARD" default:"true" help:"Send Nats-Expected-Last-Sequence so the stream never holds a gap or reordering (needs jetbox to be the stream's only writer)."`
 	StatusInterval   string `name:"status-interval" env:"JETBOX_STATUS_INTERVAL" default:"1s" help:"Standby status update period."`
 	PostgresTimeout  string `name:"postgres-timeout" env:"JETBOX_POSTGRES_TIMEOUT" default:"30s" help:"Reconnect when Postgres sends nothing for this long."`
 	ShutdownTimeout  string `name:"shutdown-timeout" env:"JETBOX_SHUTDOWN_TIMEOUT" default:"10s" help:"On stop, wait this long for in-flight acks."`
