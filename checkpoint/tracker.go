@@ -63,6 +63,7 @@ type Tracker struct {
 	closed   bool
 	changed  chan struct{} // closed and replaced on a change someone waits for
 	waiting  bool
+	want     int // size the last TryAdd found no room for; -1 after one that fit
 }
 
 // New returns a tracker whose safe position starts at start (the slot's
@@ -72,7 +73,7 @@ func New(start pglogrepl.LSN, maxEvents, maxBytes int) *Tracker {
 	if maxEvents < 1 {
 		maxEvents = 1
 	}
-	return &Tracker{safe: start, maxEvent: maxEvents, maxBytes: maxBytes, changed: make(chan struct{})}
+	return &Tracker{safe: start, maxEvent: maxEvents, maxBytes: maxBytes, changed: make(chan struct{}), want: -1}
 }
 
 // TryAdd is Add without blocking: ok is false when the window is full.
@@ -83,8 +84,10 @@ func (t *Tracker) TryAdd(size int, payload any) (ticket Ticket, ok bool, err err
 		return 0, false, ErrClosed
 	}
 	if !t.fits(size) {
+		t.want = size
 		return 0, false, nil
 	}
+	t.want = -1
 	ticket = t.base + Ticket(len(t.entries))
 	t.entries = append(t.entries, entry{size: size, payload: payload})
 	t.events++
@@ -118,6 +121,33 @@ var ErrFailures = errors.New("failed events await republishing")
 // WaitResolved blocks until no event is in flight (each is done or failed).
 func (t *Tracker) WaitResolved(ctx context.Context) error {
 	return t.wait(ctx, func() bool { return t.pending == 0 || t.closed })
+}
+
+// WaitResolvedBefore blocks until every event tracked before ticket is done
+// or failed (events from ticket on may still be in flight).
+func (t *Tracker) WaitResolvedBefore(ctx context.Context, ticket Ticket) error {
+	return t.wait(ctx, func() bool {
+		if t.closed {
+			return true
+		}
+		for i := 0; i < len(t.entries) && t.base+Ticket(i) < ticket; i++ {
+			if e := &t.entries[i]; !e.commit && e.state == pending {
+				return false
+			}
+		}
+		return true
+	})
+}
+
+// Blocked reports whether the last TryAdd (or Add) found no room and there
+// is still none for that event: its caller waits, and only events in the
+// window being resolved can let it go on. It is false once an add fits.
+// Safe for any goroutine; a batching sink uses it to tell when it must send
+// events it holds back (see replication.Session.Flush).
+func (t *Tracker) Blocked() bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.want >= 0 && !t.closed && !t.fits(t.want)
 }
 
 // wait blocks until cond (called with mu held) holds or ctx ends.

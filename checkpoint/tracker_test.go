@@ -310,3 +310,50 @@ func TestConsecutiveCommitsCollapse(t *testing.T) {
 		t.Fatalf("Safe() = %s", tr.Safe())
 	}
 }
+
+// TestBlocked: Blocked holds from an add that found no room until there is
+// room for that event again or an add fits.
+func TestBlocked(t *testing.T) {
+	tr := New(0, 2, 100)
+	if tr.Blocked() {
+		t.Fatal("blocked before any add")
+	}
+	a := add(t, tr, "a")
+	if _, ok, _ := tr.TryAdd(95, "big"); ok || !tr.Blocked() {
+		t.Fatalf("an event over the byte window: ok=%v blocked=%v", ok, tr.Blocked())
+	}
+	tr.Done(a) // the window empties: the big event fits now
+	if tr.Blocked() {
+		t.Fatal("still blocked with room for the event")
+	}
+	b := add(t, tr, "b")
+	add(t, tr, "c")
+	if _, ok, _ := tr.TryAdd(1, "d"); ok || !tr.Blocked() {
+		t.Fatal("a full event window is not blocked")
+	}
+	tr.Done(b)
+	if _, ok, _ := tr.TryAdd(1, "d"); !ok || tr.Blocked() {
+		t.Fatal("an add that fits leaves it blocked")
+	}
+}
+
+// TestWaitResolvedBefore waits for the events before a ticket only.
+func TestWaitResolvedBefore(t *testing.T) {
+	tr := New(0, 10, 0)
+	a := add(t, tr, "a")
+	b := add(t, tr, "b")
+	tr.Commit(10)
+	c := add(t, tr, "c")
+	done := make(chan error, 1)
+	go func() { done <- tr.WaitResolvedBefore(context.Background(), c) }()
+	tr.Done(b)
+	tr.Fail(a, errors.New("x"))
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	defer cancel()
+	if err := tr.WaitResolvedBefore(ctx, c+1); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("returned %v with c in flight", err)
+	}
+}

@@ -68,6 +68,15 @@ type Session interface {
 	// stored it, unless Close gave up waiting. A returned error means ev was
 	// not sent and done will not be called.
 	Publish(ev *decoder.Event, done func(error)) error
+	// EndTransaction says the events published since the previous one
+	// complete a transaction. A session that publishes whole transactions
+	// as atomic batches holds a transaction's events until then.
+	EndTransaction()
+	// Flush is called when the window is full, before the loop waits for
+	// room. blocked (safe for any goroutine) reports whether the loop still
+	// waits with no room: a session holding events back sends them once
+	// nothing else it sent can free the window, so the wait cannot deadlock.
+	Flush(blocked func() bool)
 	// Close waits (bounded by ctx) until every done was called.
 	Close(ctx context.Context) error
 }
@@ -330,6 +339,7 @@ type loop struct {
 	deadline   time.Time // read deadline currently set on the socket
 	lastRecv   time.Time
 	sent       pglogrepl.LSN
+	txLSN      pglogrepl.LSN // commit LSN of the transaction being read, once it has events; 0 otherwise
 }
 
 func (l *loop) run(ctx context.Context) error {
@@ -434,9 +444,12 @@ func (l *loop) handle(ctx context.Context, data []byte) error {
 			if msg.Event.DeadLetter != nil {
 				l.deadLettered(msg.Event.DeadLetter, msg.Event.Subject)
 			}
+			l.txLSN = msg.Event.CommitLSN
 			return l.publish(ctx, &msg.Event)
 		case decoder.KindCommit:
 			l.tracker.Commit(msg.EndLSN)
+			l.sess.EndTransaction()
+			l.txLSN = 0
 			l.s.cfg.Metrics.Transactions.Inc()
 		}
 		return nil
@@ -456,6 +469,7 @@ func (l *loop) publish(ctx context.Context, ev *decoder.Event) error {
 		return err
 	}
 	for {
+		l.sess.Flush(l.tracker.Blocked) // the window is full
 		wctx, cancel := context.WithDeadline(ctx, l.nextStatus)
 		ticket, err := l.tracker.Add(wctx, size, ev)
 		cancel()
@@ -568,9 +582,23 @@ func (l *loop) republish(ctx context.Context, failed int, cause error) error {
 				break
 			}
 		}
+		// The events of the transaction still being read stay with a
+		// batching session until its commit: wait for those before them.
+		open := len(retries)
+		for l.txLSN != 0 && open > 0 && retries[open-1].Payload.(*decoder.Event).CommitLSN == l.txLSN {
+			open--
+		}
+		if open == len(retries) {
+			l.sess.EndTransaction()
+		}
 		for {
 			wctx, cancel := context.WithDeadline(ctx, l.nextStatus)
-			err := l.tracker.WaitResolved(wctx)
+			var err error
+			if open < len(retries) {
+				err = l.tracker.WaitResolvedBefore(wctx, retries[open].Ticket)
+			} else {
+				err = l.tracker.WaitResolved(wctx)
+			}
 			cancel()
 			if err == nil {
 				break

@@ -13,7 +13,8 @@ import (
 // Check inspects the NATS side without changing anything: JetStream enabled,
 // the stream (or that it can be created), its subjects, duplicate window
 // (warned when shorter than maxOutage), message size limits, storage and
-// replicas.
+// replicas, and with AtomicTransactions whether the server and the stream
+// take atomic batches, and how large.
 func (p *Publisher) Check(ctx context.Context, maxOutage time.Duration) []check.Finding {
 	var l check.List
 	l.Add(check.Info, "nats.server", fmt.Sprintf("connected to %s (server %s), max_payload %d bytes",
@@ -34,6 +35,9 @@ func (p *Publisher) Check(ctx context.Context, maxOutage time.Duration) []check.
 		if maxOutage > p.cfg.DuplicateWindow {
 			l.Add(check.Warning, "nats.duplicate_window", fmt.Sprintf("--duplicate-window %s is shorter than --max-outage %s: a replay after a longer outage stores copies", p.cfg.DuplicateWindow, maxOutage),
 				"raise --duplicate-window before the stream is created")
+		}
+		if p.cfg.AtomicTransactions {
+			p.checkAtomic(ctx, &l, false, false)
 		}
 		return l
 	}
@@ -90,8 +94,42 @@ func (p *Publisher) Check(ctx context.Context, maxOutage time.Duration) []check.
 			}
 		}
 	}
+	if p.cfg.AtomicTransactions {
+		p.checkAtomic(ctx, &l, true, cfg.AllowAtomicPublish)
+	}
 	if cfg.Retention != jetstream.LimitsPolicy {
 		l.Add(check.Warning, "nats.retention", "retention is not limits: removed messages take their dedup ids with them", "prefer limits retention for the outbox stream")
 	}
 	return l
+}
+
+// checkAtomic reports whether the server (and the stream, if it exists)
+// take atomic batches, and the batch limit jetbox will use.
+func (p *Publisher) checkAtomic(ctx context.Context, l *check.List, exists, streamAllows bool) {
+	problem := func(err error) {
+		var pe *PermanentError
+		if errors.As(err, &pe) {
+			l.Add(check.Error, "nats.atomic", pe.Err.Error(), pe.Hint)
+		} else {
+			l.Add(check.Error, "nats.atomic", err.Error(), "check the NATS server answers (nats-server 2.12 or later) and retry")
+		}
+	}
+	if err := p.atomicSupport(true); err != nil {
+		problem(err)
+		return
+	}
+	if !exists {
+		l.Add(check.Info, "nats.atomic", fmt.Sprintf("server %s takes atomic batches: jetbox run creates stream %q with atomic publish allowed", p.nc.ConnectedServerVersion(), p.cfg.Stream), "")
+		return
+	}
+	if err := p.atomicSupport(streamAllows); err != nil {
+		problem(err)
+		return
+	}
+	n, err := p.AtomicBatchLimit(ctx)
+	if err != nil {
+		problem(err)
+		return
+	}
+	l.Add(check.Info, "nats.atomic", fmt.Sprintf("atomic batches of up to %d messages: a transaction of up to %d rows is stored whole or not at all; larger ones in atomic chunks, the last message marked %s: true", n, n, HeaderTxLast), "")
 }

@@ -69,7 +69,11 @@ type Config struct {
 	// DeadLetterSubject: dead letters go to <DeadLetterSubject>.<reason>; the
 	// stream must capture them too. "" when dead-lettering is off.
 	DeadLetterSubject string
-	Metrics           *metrics.Metrics
+	// AtomicTransactions: each transaction is stored as JetStream atomic
+	// batches (see AtomicSession); needs ExactlyOnce and a stream with
+	// AllowAtomicPublish (nats-server 2.12 or later).
+	AtomicTransactions bool
+	Metrics            *metrics.Metrics
 }
 
 // PermanentError is a publish failure that retrying cannot fix (the message is
@@ -194,9 +198,7 @@ type Session struct {
 	prevID  string
 	prevPos Position
 
-	// the current transaction's header values, formatted once
-	txLSN                 pglogrepl.LSN
-	txLSNText, txTimeText string
+	tx txText // the current transaction's header values, formatted once
 
 	// exactly-once mode
 	nextSeq uint64   // the stream's last sequence before the next publish
@@ -374,27 +376,7 @@ func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
 			Reason: fmt.Sprintf("the id repeats the previous row's (transaction %s, row %d) inside the duplicate window: JetStream would drop this row silently", pglogrepl.LSN(s.prevPos.CommitLSN), s.prevPos.TxIndex),
 			Hint:   duplicateHint}
 	}
-	// Header keys are set canonical and directly (not through publish
-	// options): the hot path then skips re-canonicalising every key.
-	h := make(nats.Header, 12+len(ev.Headers))
-	for _, uh := range ev.Headers {
-		h[uh.Key] = []string{uh.Value} // keep the producer's spelling (traceparent)
-	}
-	if ev.CommitLSN != s.txLSN || s.txLSNText == "" { // one transaction's strings, formatted once
-		s.txLSN, s.txLSNText, s.txTimeText = ev.CommitLSN, ev.CommitLSN.String(), ev.CommitTime.UTC().Format(CommitTimeLayout)
-	}
-	h[HeaderAggregateType] = []string{ev.AggregateType}
-	h[HeaderAggregateID] = []string{ev.AggregateID}
-	h[HeaderEventType] = []string{ev.EventType}
-	h[HeaderCommitLSN] = []string{s.txLSNText}
-	h[HeaderCommitTime] = []string{s.txTimeText}
-	h[HeaderTxIndex] = []string{strconv.Itoa(ev.TxIndex)}
-	if ev.Source != "" {
-		h[HeaderSource] = []string{ev.Source}
-	}
-	h[jetstream.MsgIDHeader] = []string{ev.ID}
-	// An ack from another stream that took over the subjects is an error.
-	h[jetstream.ExpectedStreamHeader] = []string{s.p.cfg.Stream}
+	h := s.p.header(ev, &s.tx, 2)
 	var opts []jetstream.PublishOpt
 	// A replay of what the stream held when the session opened goes without
 	// an expected sequence: it is a Duplicate and stores nothing.
@@ -425,6 +407,40 @@ func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
 	}
 	s.pending <- pendingAck{fut: fut, done: done, committed: ev.CommitTime, id: ev.ID, pos: pos, size: len(ev.Payload)}
 	return nil
+}
+
+// txText is a transaction's header values, formatted once for all its rows.
+type txText struct {
+	lsn            pglogrepl.LSN
+	lsnText, ctime string
+}
+
+// header returns ev's message headers: the row's own, jetbox's, the message
+// id and the expected stream, with room for extra more. tx caches the
+// strings of ev's transaction.
+func (p *Publisher) header(ev *decoder.Event, tx *txText, extra int) nats.Header {
+	// Header keys are set canonical and directly (not through publish
+	// options): the hot path then skips re-canonicalising every key.
+	h := make(nats.Header, 10+extra+len(ev.Headers))
+	for _, uh := range ev.Headers {
+		h[uh.Key] = []string{uh.Value} // keep the producer's spelling (traceparent)
+	}
+	if ev.CommitLSN != tx.lsn || tx.lsnText == "" {
+		tx.lsn, tx.lsnText, tx.ctime = ev.CommitLSN, ev.CommitLSN.String(), ev.CommitTime.UTC().Format(CommitTimeLayout)
+	}
+	h[HeaderAggregateType] = []string{ev.AggregateType}
+	h[HeaderAggregateID] = []string{ev.AggregateID}
+	h[HeaderEventType] = []string{ev.EventType}
+	h[HeaderCommitLSN] = []string{tx.lsnText}
+	h[HeaderCommitTime] = []string{tx.ctime}
+	h[HeaderTxIndex] = []string{strconv.Itoa(ev.TxIndex)}
+	if ev.Source != "" {
+		h[HeaderSource] = []string{ev.Source}
+	}
+	h[jetstream.MsgIDHeader] = []string{ev.ID}
+	// An ack from another stream that took over the subjects is an error.
+	h[jetstream.ExpectedStreamHeader] = []string{p.cfg.Stream}
+	return h
 }
 
 func headerSize(h nats.Header) int {
@@ -529,6 +545,12 @@ func (s *Session) checkDuplicate(pa pendingAck, seq uint64) error {
 }
 
 const duplicateHint = "give every outbox row a unique id (the default gen_random_uuid()); run with --on-invalid=dead-letter to send this row to the dead-letter subject"
+
+// EndTransaction does nothing: this session sends every event at once.
+func (s *Session) EndTransaction() {}
+
+// Flush does nothing: this session holds no event back.
+func (s *Session) Flush(func() bool) {}
 
 // Close waits until every published event's done was called, or ctx ends;
 // in that case the remaining acks are abandoned and their done never runs.

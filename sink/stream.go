@@ -10,8 +10,10 @@ import (
 )
 
 // EnsureStream creates the stream when it is missing (subjects "<prefix>.>",
-// file storage, the configured duplicate window) and otherwise checks that the
-// existing stream captures "<prefix>.>"; it never changes an existing stream.
+// file storage, the configured duplicate window, atomic publish allowed with
+// AtomicTransactions) and otherwise checks that the existing stream captures
+// "<prefix>.>" (and allows atomic publish when needed); it never changes an
+// existing stream.
 func (p *Publisher) EnsureStream(ctx context.Context) (*jetstream.StreamInfo, error) {
 	want := p.cfg.SubjectPrefix + ".>"
 	s, err := p.js.Stream(ctx, p.cfg.Stream)
@@ -27,12 +29,14 @@ func (p *Publisher) EnsureStream(ctx context.Context) (*jetstream.StreamInfo, er
 			Subjects:    subjects,
 			Storage:     jetstream.FileStorage,
 			Duplicates:  p.cfg.DuplicateWindow,
+			// A server before 2.12 ignores it: checked below.
+			AllowAtomicPublish: p.cfg.AtomicTransactions,
 		}
 		s, err = p.js.CreateStream(ctx, cfg)
 		if err != nil {
 			return nil, fmt.Errorf("create stream %q with subjects %q: %w", p.cfg.Stream, want, err)
 		}
-		p.log.Info().Strs("subjects", subjects).Dur("duplicate_window", p.cfg.DuplicateWindow).Msg("created stream")
+		p.log.Info().Strs("subjects", subjects).Dur("duplicate_window", p.cfg.DuplicateWindow).Bool("allow_atomic", p.cfg.AtomicTransactions).Msg("created stream")
 	case err != nil:
 		return nil, fmt.Errorf("look up stream %q: %w", p.cfg.Stream, err)
 	}
@@ -44,6 +48,11 @@ func (p *Publisher) EnsureStream(ctx context.Context) (*jetstream.StreamInfo, er
 	if dl := p.cfg.DeadLetterSubject + ".>"; p.cfg.DeadLetterSubject != "" && !Captures(info.Config.Subjects, dl) {
 		return info, fmt.Errorf("stream %q has subjects %q, which do not capture the dead letters %q: add %q to the stream's subjects, or change --dead-letter-subject",
 			p.cfg.Stream, info.Config.Subjects, dl, dl)
+	}
+	if p.cfg.AtomicTransactions {
+		if err := p.atomicSupport(info.Config.AllowAtomicPublish); err != nil {
+			return info, err
+		}
 	}
 	return info, nil
 }

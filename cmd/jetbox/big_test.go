@@ -2,6 +2,8 @@ package main
 
 import (
 	"fmt"
+	"os"
+	"strings"
 	"testing"
 	"time"
 
@@ -83,12 +85,15 @@ func TestMillionRowTransaction(t *testing.T) {
 // (in transactions of 100) already in the WAL and forwards them all; it
 // reports events/s from start-up to the last PubAck and jetbox's peak RSS.
 // Run: go test ./cmd/jetbox -run '^$' -bench CatchUp -benchtime 1x
+// JETBOX_BENCH_ENV adds jetbox settings, space-separated, e.g.
+// "JETBOX_DELIVERY=exactly-once JETBOX_ATOMIC_TRANSACTIONS=true".
 func BenchmarkCatchUp(b *testing.B) {
 	rows := envInt("JETBOX_BENCH_ROWS", 200_000)
+	env := append([]string{"JETBOX_LOG_LEVEL=info"}, strings.Fields(os.Getenv("JETBOX_BENCH_ENV"))...)
 	for i := 0; i < b.N; i++ {
 		b.StopTimer()
 		f := newFixture(b)
-		p := f.start("JETBOX_LOG_LEVEL=info")
+		p := f.start(env...)
 		f.waitStreaming(p)
 		p.stop()
 		f.pg.Exec(b, `DO $$ BEGIN FOR i IN 1..`+fmt.Sprint(rows/100)+` LOOP
@@ -97,7 +102,7 @@ func BenchmarkCatchUp(b *testing.B) {
 			COMMIT; END LOOP; END $$`)
 		b.StartTimer()
 		began := time.Now()
-		p = f.start("JETBOX_LOG_LEVEL=info")
+		p = f.start(env...)
 		f.waitCount(rows, 10*time.Minute)
 		took := time.Since(began)
 		b.StopTimer()

@@ -55,6 +55,7 @@ type RunFlags struct {
 	MaxInFlightBytes string `name:"max-in-flight-bytes" env:"JETBOX_MAX_IN_FLIGHT_BYTES" default:"16MiB" help:"Payload bytes published and not yet acked."`
 	PublishTimeout   string `name:"publish-timeout" env:"JETBOX_PUBLISH_TIMEOUT" default:"30s" help:"Wait for one PubAck before the outcome counts as unknown."`
 	Delivery         string `name:"delivery" env:"JETBOX_DELIVERY" default:"dedup" help:"dedup: Nats-Msg-Id dedup within the duplicate window; exactly-once: jetbox is the stream's only writer, publishes expect the last sequence and replays are skipped by position, whatever the window."`
+	AtomicTx         string `name:"atomic-transactions" env:"JETBOX_ATOMIC_TRANSACTIONS" default:"false" help:"Store each transaction as JetStream atomic batches, so consumers never see part of one (up to the server's batch limit, 1000 rows by default; larger ones arrive in atomic chunks, the last message has Jetbox-Tx-Last: true). Needs --delivery=exactly-once, nats-server 2.12+ and a stream that allows atomic publish."`
 	OnInvalid        string `name:"on-invalid" env:"JETBOX_ON_INVALID" default:"stop" help:"A row that cannot be published: stop (exit 1, slot kept before it) or dead-letter (publish it to --dead-letter-subject.<reason> and go on)."`
 	DeadLetterSubj   string `name:"dead-letter-subject" env:"JETBOX_DEAD_LETTER_SUBJECT" help:"With --on-invalid=dead-letter: subject prefix for dead letters, captured by the stream. Default <subject-prefix>._dlq." placeholder:"SUBJECT"`
 	OrderGuard       string `name:"order-guard" env:"JETBOX_ORDER_GUARD" default:"true" help:"Send Nats-Expected-Last-Sequence so the stream never holds a gap or reordering (needs jetbox to be the stream's only writer)."`
@@ -256,6 +257,13 @@ func (f *RunFlags) Config() (Config, error) {
 	} else if !orderGuard && f.Delivery == "exactly-once" {
 		bad("order-guard", f.OrderGuard, "conflicts with --delivery=exactly-once, which always guards the order", "drop --order-guard=false, or use --delivery=dedup")
 	}
+	atomicTx, err := strconv.ParseBool(f.AtomicTx)
+	if err != nil {
+		bad("atomic-transactions", f.AtomicTx, "not a boolean", "use true or false")
+	} else if atomicTx && f.Delivery != "exactly-once" {
+		bad("atomic-transactions", f.AtomicTx, "needs --delivery=exactly-once: JetStream refuses a whole atomic batch that holds an id it already stored, so replays must be skipped by position, not deduplicated",
+			"add --delivery=exactly-once (jetbox must then be the stream's only writer), or drop --atomic-transactions")
+	}
 	deadLetter := ""
 	switch f.OnInvalid {
 	case "stop":
@@ -301,7 +309,8 @@ func (f *RunFlags) Config() (Config, error) {
 		MonitorInterval:   monitorInterval,
 	}
 	c.Sink = sink.Config{Stream: f.Stream, SubjectPrefix: f.SubjectPrefix, DuplicateWindow: dupWindow,
-		PublishTimeout: publishTimeout, MaxPending: maxInFlight, OrderGuard: orderGuard, ExactlyOnce: f.Delivery == "exactly-once", DeadLetterSubject: deadLetter}
+		PublishTimeout: publishTimeout, MaxPending: maxInFlight, OrderGuard: orderGuard, ExactlyOnce: f.Delivery == "exactly-once", DeadLetterSubject: deadLetter,
+		AtomicTransactions: atomicTx}
 	c.LogLevel, c.LogConsole = level, f.LogFormat == "console"
 	return c, nil
 }

@@ -72,7 +72,7 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 	if dl := cfg.Replication.Decoder.DeadLetterSubject; dl != "" {
 		log.Info().Str("subject", dl+".<reason>").Msg("rows that cannot be published become dead letters")
 	}
-	streamer, err := replication.New(cfg.PostgresURL, cfg.Replication, sinkAdapter{pub}, log)
+	streamer, err := replication.New(cfg.PostgresURL, cfg.Replication, sinkAdapter{p: pub, atomic: cfg.Sink.AtomicTransactions}, log)
 	if err != nil {
 		log.Error().Err(err).Msg("start replication")
 		return exitConfig
@@ -132,10 +132,21 @@ func newLogger(cfg Config, stdout io.Writer) zerolog.Logger {
 	return zerolog.New(w).Level(cfg.LogLevel).With().Timestamp().Str("service", "jetbox").Logger()
 }
 
-// sinkAdapter lets *sink.Publisher serve as replication.Sink.
-type sinkAdapter struct{ p *sink.Publisher }
+// sinkAdapter lets *sink.Publisher serve as replication.Sink; with atomic
+// set, its sessions publish whole transactions as atomic batches.
+type sinkAdapter struct {
+	p      *sink.Publisher
+	atomic bool
+}
 
 func (a sinkAdapter) Open(ctx context.Context, source string) (replication.Session, error) {
+	if a.atomic {
+		s, err := a.p.OpenAtomic(ctx, source)
+		if err != nil {
+			return nil, err
+		}
+		return s, nil
+	}
 	s, err := a.p.Open(ctx, source)
 	if err != nil {
 		return nil, err

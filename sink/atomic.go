@@ -1,0 +1,572 @@
+package sink
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jetbox-dev/jetbox/decoder"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/synadia-io/orbit.go/jetstreamext"
+)
+
+// HeaderTxLast is "true" on the last message of each transaction when
+// transactions are published atomically (Config.AtomicTransactions).
+const HeaderTxLast = "Jetbox-Tx-Last"
+
+// DefaultAtomicBatch is JetStream's default limit on the messages of one
+// atomic batch (server setting jetstream { limits { batch { max_msgs } } }).
+const DefaultAtomicBatch = 1000
+
+// The first nats-server release with atomic batch publishing.
+const atomicMajor, atomicMinor = 2, 12
+
+// batchOverhead is what a batch adds to a message's headers at most:
+// Nats-Batch-Id, -Sequence, -Commit, Nats-Expected-Last-Sequence and
+// Jetbox-Tx-Last.
+const batchOverhead = 192
+
+// AtomicSession publishes the events of one replication session as JetStream
+// atomic batches, so that a transaction is stored whole or not at all.
+//
+// Publish holds a transaction's events until EndTransaction; then the
+// transaction is sealed and goes out, alone or together with the whole
+// transactions sealed after it while the previous batch was in flight, as
+// one atomic batch of at most the server's batch limit (and the window). A
+// larger transaction is sealed in chunks of that size, each atomic; only
+// the last message of a transaction carries Jetbox-Tx-Last: true. A
+// transaction is cut before its end only when it is larger than a batch or
+// when its events alone fill the window (see Flush).
+//
+// Batches go out one at a time, from the session's goroutine, each
+// expecting the stream's last sequence (on its first message: JetStream
+// refuses Nats-Expected-Last-Msg-Id in batches, and the previous batch's
+// ack gives the exact sequence, so a foreign message in between is caught).
+// done callbacks run in order after their batch's ack; a failed batch fails
+// its events and every event after it. Exactly-once mode is required: a
+// replay is skipped by position, never re-sent, so batch boundaries need not
+// be the same after a restart.
+type AtomicSession struct {
+	p       *Publisher
+	max     int // events per batch
+	maxSize int // the largest message the server and the stream take
+	ctx     context.Context
+	cancel  context.CancelFunc // ends a batch in flight when Close gives up
+
+	// exactly-once resume point: the stream's last message at open
+	last    Position
+	hasLast bool
+	tx      txText // Publish's goroutine only
+
+	mu      sync.Mutex
+	wake    *sync.Cond              // on mu: a unit was sealed, or the session closes
+	open    []batchMsg              // the events of the transaction being read, not yet sealed
+	queue   [][]batchMsg            // sealed units (whole transactions or chunks), in order
+	busy    int                     // sealed units not yet resolved (queued or in flight)
+	blocked func() bool             // from Flush
+	abort   context.CancelCauseFunc // ends the batch in flight (see watchConn)
+	failed  bool                    // a batch failed: every later event fails
+	closing bool                    // Close was called
+	done    chan struct{}           // closed when the sender has returned
+
+	nextSeq uint64 // sender only: the stream's last sequence
+}
+
+type batchMsg struct {
+	msg       *nats.Msg
+	done      func(error)
+	id        string
+	pos       Position
+	committed time.Time
+}
+
+var (
+	errAfterFailure = errors.New("not published: an earlier atomic batch of this session failed")
+	errUnfinished   = errors.New("not published: the session closed before the transaction's end was read")
+)
+
+// OpenAtomic starts an atomic session (see AtomicSession); Close it to wait
+// for its batches. Like Open in exactly-once mode it first reads the
+// stream's last message, where the session resumes. It checks the server
+// and the stream support atomic batches and asks the server for its batch
+// limit (a request for a batch never started: nothing is stored).
+func (p *Publisher) OpenAtomic(ctx context.Context, source string) (*AtomicSession, error) {
+	if !p.cfg.ExactlyOnce {
+		return nil, errors.New("atomic transactions need exactly-once delivery")
+	}
+	r := &Session{p: p, source: source}
+	if err := r.resume(ctx); err != nil {
+		return nil, err
+	}
+	cfg := r.stream.CachedInfo().Config
+	if err := p.atomicSupport(cfg.AllowAtomicPublish); err != nil {
+		return nil, err
+	}
+	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	limit, err := p.AtomicBatchLimit(pctx)
+	if err != nil {
+		select {
+		case <-p.denied: // the probe went unanswered because NATS denied it
+			return nil, p.deniedErr
+		default:
+		}
+		return nil, err
+	}
+	maxSize := int(p.nc.MaxPayload())
+	if m := int(cfg.MaxMsgSize); m > 0 && m < maxSize {
+		maxSize = m
+	}
+	s := &AtomicSession{p: p, max: limit, maxSize: maxSize, done: make(chan struct{}),
+		nextSeq: r.nextSeq, last: r.last, hasLast: r.nextSeq > 0}
+	s.ctx, s.cancel = context.WithCancel(context.WithoutCancel(ctx))
+	s.wake = sync.NewCond(&s.mu)
+	go s.watchConn(p.nc.StatusChanged(nats.RECONNECTING, nats.CLOSED))
+	go s.send()
+	return s, nil
+}
+
+// watchConn ends the batch in flight when the connection drops (its reply
+// would never come: fail now, as jetstream does for async publishes) or
+// NATS denies a publish (the server answers with no reply at all).
+func (s *AtomicSession) watchConn(status chan nats.Status) {
+	defer s.p.nc.RemoveStatusListener(status)
+	denied := s.p.denied
+	for {
+		var cause error
+		select {
+		case <-s.ctx.Done():
+			return
+		case <-status:
+			cause = nats.ErrDisconnected
+		case <-denied:
+			cause, denied = s.p.deniedErr, nil
+		}
+		s.mu.Lock()
+		if s.abort != nil {
+			s.abort(cause)
+		}
+		s.mu.Unlock()
+	}
+}
+
+// atomicSupport says why the server or the stream cannot take atomic
+// batches (a permanent error with its fix), or returns nil.
+func (p *Publisher) atomicSupport(streamAllows bool) error {
+	v := p.nc.ConnectedServerVersion()
+	if v == "" {
+		return errors.New("--atomic-transactions: not connected to NATS: cannot tell whether the server has atomic batches")
+	}
+	if !versionAtLeast(v, atomicMajor, atomicMinor) {
+		return &PermanentError{Err: fmt.Errorf("--atomic-transactions: NATS server %s has no atomic batch publishing (nats-server %d.%d or later)", v, atomicMajor, atomicMinor),
+			Hint: "upgrade the NATS servers, or run without --atomic-transactions"}
+	}
+	if !streamAllows {
+		return &PermanentError{Err: fmt.Errorf("--atomic-transactions: stream %q does not allow atomic publish", p.cfg.Stream),
+			Hint: fmt.Sprintf("allow it (stream setting allow_atomic: true, e.g. with nats stream edit %s --interactive), or run without --atomic-transactions", p.cfg.Stream)}
+	}
+	return nil
+}
+
+// versionAtLeast reports whether a server version such as "2.12.1" is at
+// least major.minor.
+func versionAtLeast(v string, major, minor int) bool {
+	parts := strings.SplitN(strings.TrimPrefix(v, "v"), ".", 3)
+	if len(parts) < 2 {
+		return false
+	}
+	ma, err1 := strconv.Atoi(parts[0])
+	mi, err2 := strconv.Atoi(strings.SplitN(parts[1], "-", 2)[0])
+	return err1 == nil && err2 == nil && (ma > major || (ma == major && mi >= minor))
+}
+
+// AtomicBatchLimit returns how many messages an atomic batch may hold:
+// DefaultAtomicBatch, the window (Config.MaxPending) or the server's limit,
+// whichever is smallest. It asks the server about batches that were never
+// started, which store nothing.
+func (p *Publisher) AtomicBatchLimit(ctx context.Context) (int, error) {
+	want := min(DefaultAtomicBatch, p.cfg.MaxPending)
+	if want <= 1 {
+		return 1, nil // a probe of 1 would open a batch
+	}
+	fits := func(n int) (bool, error) {
+		code, err := p.probe(ctx, p.cfg.SubjectPrefix+"._jetbox.probe", "", n, false)
+		switch {
+		case err != nil:
+			return false, fmt.Errorf("ask NATS for its atomic batch limit: %w", err)
+		case code == jetstreamext.JSErrCodeBatchPublishIncomplete:
+			return true, nil
+		case code == jetstreamext.JSErrCodeBatchPublishExceedsLimit:
+			return false, nil
+		case code == jetstreamext.JSErrCodeBatchPublishNotEnabled:
+			return false, p.atomicSupport(false)
+		}
+		return false, fmt.Errorf("ask NATS for its atomic batch limit: unexpected reply (error code %d)", code)
+	}
+	ok, err := fits(want)
+	if ok || err != nil {
+		return want, err
+	}
+	lo, hi := 1, want // lo fits (1 always does), hi does not
+	for hi-lo > 1 {
+		mid := (lo + hi) / 2
+		if ok, err := fits(mid); err != nil {
+			return 0, err
+		} else if ok {
+			lo = mid
+		} else {
+			hi = mid
+		}
+	}
+	return lo, nil
+}
+
+// probe sends one message of a fresh batch that can never be stored (it
+// expects an impossible last sequence, so even a server without batches
+// refuses it) and returns the error code of the reply. A message with batch
+// sequence n > 1 asks whether a batch may be that long; n = 1 with commit
+// and id asks whether the stream's duplicate window holds id (JetStream
+// checks it before the expected sequence).
+func (p *Publisher) probe(ctx context.Context, subject, id string, n int, commit bool) (jetstream.ErrorCode, error) {
+	m := nats.NewMsg(subject)
+	var id16 [16]byte
+	_, _ = rand.Read(id16[:]) // never fails (crypto/rand)
+	m.Header[jetstreamext.BatchIDHeader] = []string{hex.EncodeToString(id16[:])}
+	m.Header[jetstreamext.BatchSeqHeader] = []string{strconv.Itoa(n)}
+	if commit {
+		m.Header[jetstreamext.BatchCommitHeader] = []string{"1"}
+	}
+	if id != "" {
+		m.Header[jetstream.MsgIDHeader] = []string{id}
+	}
+	m.Header[jetstream.ExpectedStreamHeader] = []string{p.cfg.Stream}
+	m.Header[jetstream.ExpectedLastSeqHeader] = []string{"18446744073709551615"}
+	resp, err := p.nc.RequestMsgWithContext(ctx, m)
+	if err != nil {
+		return 0, err
+	}
+	var reply struct {
+		Error *jetstream.APIError `json:"error"`
+	}
+	if err := json.Unmarshal(resp.Data, &reply); err != nil {
+		return 0, fmt.Errorf("read the reply %q: %w", resp.Data, err)
+	}
+	if reply.Error == nil {
+		return 0, fmt.Errorf("the server accepted a probe it should refuse: %s", resp.Data)
+	}
+	return reply.Error.ErrorCode, nil
+}
+
+// Publish adds ev to the transaction being read. done is called exactly
+// once: with nil after ev's batch was stored (or at once for a replay of
+// what the stream held at open), or with an error. An error returned here
+// means ev was not taken and done will not be called. Called from one
+// goroutine.
+func (s *AtomicSession) Publish(ev *decoder.Event, done func(error)) error {
+	pos := Position{CommitLSN: uint64(ev.CommitLSN), TxIndex: ev.TxIndex}
+	if s.hasLast && !s.last.Less(pos) {
+		// A replay of an event the stream already holds (at or before its last message).
+		s.p.stats.duplicates.Add(1)
+		s.p.cfg.Metrics.Duplicates.Inc()
+		done(nil)
+		return nil
+	}
+	h := s.p.header(ev, &s.tx, 4)
+	msg := &nats.Msg{Subject: ev.Subject, Data: ev.Payload, Header: h}
+	if size := len(msg.Data) + headerSize(h) + batchOverhead; size > s.maxSize {
+		return tooLarge(ev.ID, ev.CommitLSN, ev.TxIndex, fmt.Sprintf("message of about %d bytes (payload %d) is over the limit of %d bytes (the server's max_payload or the stream's max_msg_size)", size, len(ev.Payload), s.maxSize))
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	switch {
+	case s.failed:
+		return errAfterFailure
+	case s.closing:
+		return errors.New("not published: the session is closed")
+	}
+	if len(s.open) > 0 && s.open[0].pos.CommitLSN != pos.CommitLSN {
+		s.seal(true) // a new transaction: the previous one ended (republished events carry no EndTransaction)
+	}
+	if len(s.open) == s.max {
+		s.seal(false) // a chunk of a transaction larger than a batch
+	}
+	s.open = append(s.open, batchMsg{msg: msg, done: done, id: ev.ID, pos: pos, committed: ev.CommitTime})
+	return nil
+}
+
+// EndTransaction seals the transaction being read: its last message gets
+// Jetbox-Tx-Last: true, and it goes out with the next batch.
+func (s *AtomicSession) EndTransaction() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.failed && !s.closing {
+		s.seal(true)
+	}
+}
+
+// Flush records blocked, and sends the events of the transaction being
+// read (cutting it) if nothing else the session sent can free the window.
+func (s *AtomicSession) Flush(blocked func() bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.blocked = blocked
+	s.flushIfStuck()
+}
+
+// flushIfStuck seals the open events when the loop waits for room that only
+// they can free: nothing sealed is unresolved and the window is still full.
+// mu is held; blocked takes the tracker's lock (always after ours).
+func (s *AtomicSession) flushIfStuck() {
+	if s.busy == 0 && len(s.open) > 0 && !s.failed && !s.closing && s.blocked != nil && s.blocked() {
+		s.seal(false)
+	}
+}
+
+// seal hands the open events to the sender as one unit; last marks the end
+// of their transaction. mu is held.
+func (s *AtomicSession) seal(last bool) {
+	if len(s.open) == 0 {
+		return
+	}
+	if last {
+		s.open[len(s.open)-1].msg.Header[HeaderTxLast] = []string{"true"}
+	}
+	s.queue = append(s.queue, s.open)
+	s.open = nil
+	s.busy++
+	s.wake.Signal()
+}
+
+// send is the session's goroutine: it publishes the sealed units, one batch
+// at a time, merging whole units up to the batch limit.
+func (s *AtomicSession) send() {
+	defer close(s.done)
+	for {
+		s.mu.Lock()
+		for len(s.queue) == 0 && !s.closing {
+			s.wake.Wait()
+		}
+		if len(s.queue) == 0 || s.ctx.Err() != nil {
+			rest := s.takeAll()
+			s.mu.Unlock()
+			fail(rest, errAbandoned)
+			return
+		}
+		units, n := 1, len(s.queue[0])
+		for units < len(s.queue) && n+len(s.queue[units]) <= s.max {
+			n += len(s.queue[units])
+			units++
+		}
+		batch := make([]batchMsg, 0, n)
+		for _, u := range s.queue[:units] {
+			batch = append(batch, u...)
+		}
+		s.queue = s.queue[units:]
+		s.mu.Unlock()
+
+		if err := s.publish(batch); err != nil {
+			s.failBatch(batch, err)
+		}
+		s.mu.Lock()
+		s.busy -= units
+		s.flushIfStuck()
+		s.mu.Unlock()
+	}
+}
+
+var errAbandoned = errors.New("not published: the atomic session was abandoned")
+
+// takeAll removes every event not yet sent (queued units and open events),
+// in order. mu is held.
+func (s *AtomicSession) takeAll() []batchMsg {
+	var rest []batchMsg
+	for _, u := range s.queue {
+		rest = append(rest, u...)
+	}
+	rest = append(rest, s.open...)
+	s.busy -= len(s.queue)
+	s.queue, s.open = nil, nil
+	return rest
+}
+
+func fail(msgs []batchMsg, err error) {
+	for _, m := range msgs {
+		m.done(err)
+	}
+}
+
+// publish sends batch as one atomic batch and, once stored, calls every
+// done. It expects the stream's last sequence on the first message.
+func (s *AtomicSession) publish(batch []batchMsg) error {
+	if i, j := repeatedID(batch); j >= 0 {
+		return &batchError{culprit: j, err: &decoder.InvalidEventError{ID: batch[j].id, LSN: pglogrepl.LSN(batch[j].pos.CommitLSN), TxIndex: batch[j].pos.TxIndex,
+			Code: decoder.ReasonDuplicateID, Column: "id",
+			Reason: fmt.Sprintf("the id repeats row %d of transaction %s, in the same atomic batch: JetStream would refuse the whole batch", batch[i].pos.TxIndex, pglogrepl.LSN(batch[i].pos.CommitLSN)),
+			Hint:   duplicateHint}}
+	}
+	msgs := make([]*nats.Msg, len(batch))
+	for i := range batch {
+		msgs[i] = batch[i].msg
+	}
+	msgs[0].Header[jetstream.ExpectedLastSeqHeader] = []string{strconv.FormatUint(s.nextSeq, 10)}
+	select {
+	case <-s.p.denied:
+		return s.p.deniedErr
+	default:
+	}
+	actx, abort := context.WithCancelCause(s.ctx)
+	ctx, cancel := context.WithTimeout(actx, s.p.cfg.PublishTimeout)
+	defer cancel()
+	s.mu.Lock()
+	s.abort = abort
+	s.mu.Unlock()
+	ack, err := jetstreamext.PublishMsgBatch(ctx, s.p.js, msgs, jetstreamext.BatchFlowControl{AckFirst: false, AckTimeout: s.p.cfg.PublishTimeout})
+	s.mu.Lock()
+	s.abort = nil
+	s.mu.Unlock()
+	abort(nil)
+	if err != nil {
+		if cause := context.Cause(actx); cause != nil && !errors.Is(cause, context.Canceled) {
+			return cause // the connection dropped, or NATS denied the publish
+		}
+		return err
+	}
+	if want := s.nextSeq + uint64(len(batch)); ack.Sequence != want {
+		s.p.log.Warn().Uint64("seq", ack.Sequence).Uint64("expected", want).Msg("atomic batch stored at an unexpected sequence")
+	}
+	s.nextSeq = ack.Sequence
+	if ack.Sequence > s.p.ackedSeq.Load() {
+		s.p.ackedSeq.Store(ack.Sequence) // only this goroutine stores while the session runs
+	}
+	m := s.p.cfg.Metrics
+	s.p.stats.published.Add(uint64(len(batch)))
+	m.Published.Add(float64(len(batch)))
+	for _, b := range batch {
+		m.Latency.Observe(time.Since(b.committed).Seconds())
+		b.done(nil)
+	}
+	return nil
+}
+
+// repeatedID returns the indexes of the first id that appears twice in
+// batch (i the first, j the repeat), or -1, -1.
+func repeatedID(batch []batchMsg) (int, int) {
+	seen := make(map[string]int, len(batch))
+	for j, b := range batch {
+		if i, ok := seen[b.id]; ok {
+			return i, j
+		}
+		seen[b.id] = j
+	}
+	return -1, -1
+}
+
+// batchError is a batch refused because of one of its events.
+type batchError struct {
+	culprit int
+	err     error
+}
+
+func (e *batchError) Error() string { return e.err.Error() }
+func (e *batchError) Unwrap() error { return e.err }
+
+// failBatch resolves a batch that was not stored, and everything after it.
+// The event that made JetStream refuse the batch (a repeated id) gets its
+// own error first, so that it is the failure's cause (it may be dead
+// lettered); the others get one that does not name a bad row.
+func (s *AtomicSession) failBatch(batch []batchMsg, err error) {
+	s.mu.Lock()
+	s.failed = true
+	rest := s.takeAll()
+	s.mu.Unlock()
+	s.p.stats.errors.Add(uint64(len(batch)))
+	s.p.cfg.Metrics.PublishErrors.Add(float64(len(batch)))
+
+	culprit, err := s.explain(batch, err)
+	first, lastm := batch[0].pos, batch[len(batch)-1].pos
+	others := fmt.Errorf("atomic batch of %d events (transaction %s row %d to transaction %s row %d) not stored: %w",
+		len(batch), pglogrepl.LSN(first.CommitLSN), first.TxIndex, pglogrepl.LSN(lastm.CommitLSN), lastm.TxIndex, err)
+	if culprit >= 0 {
+		batch[culprit].done(err)
+		others = fmt.Errorf("atomic batch of %d events not stored: row id=%s (transaction %s, row %d) made JetStream refuse it",
+			len(batch), batch[culprit].id, pglogrepl.LSN(batch[culprit].pos.CommitLSN), batch[culprit].pos.TxIndex)
+	}
+	for i, b := range batch {
+		if i != culprit {
+			b.done(others)
+		}
+	}
+	fail(rest, errAfterFailure)
+}
+
+// explain turns a batch failure into the error to report, and finds the
+// event that caused it (-1 when none did).
+func (s *AtomicSession) explain(batch []batchMsg, err error) (int, error) {
+	var be *batchError
+	if errors.As(err, &be) {
+		return be.culprit, be.err
+	}
+	var apiErr *jetstream.APIError
+	if !errors.As(err, &apiErr) {
+		return -1, err
+	}
+	switch apiErr.ErrorCode {
+	case jetstreamext.JSErrCodeBatchPublishNotEnabled:
+		return -1, s.p.atomicSupport(false)
+	case jetstreamext.JSErrCodeBatchPublishDuplicateMsgID:
+		// Replays are skipped by position, so this is another row's id,
+		// still in the duplicate window: ask which.
+		ctx, cancel := context.WithTimeout(s.ctx, s.p.cfg.PublishTimeout)
+		defer cancel()
+		for i, b := range batch {
+			code, perr := s.p.probe(ctx, b.msg.Subject, b.id, 1, true)
+			if perr != nil {
+				return -1, fmt.Errorf("%w (and finding the repeated id failed: %v)", err, perr)
+			}
+			if code == jetstreamext.JSErrCodeBatchPublishDuplicateMsgID {
+				return i, &decoder.InvalidEventError{ID: b.id, LSN: pglogrepl.LSN(b.pos.CommitLSN), TxIndex: b.pos.TxIndex, Code: decoder.ReasonDuplicateID, Column: "id",
+					Reason: "the id is already used by a message inside the stream's duplicate window: JetStream refuses the whole atomic batch",
+					Hint:   duplicateHint}
+			}
+		}
+		return -1, &PermanentError{Err: fmt.Errorf("JetStream refused an atomic batch for a repeated id, and no row of it repeats one now: %w", err),
+			Hint: "check that jetbox is the stream's only writer and restart it"}
+	}
+	return -1, err
+}
+
+// Close waits until every sealed batch was resolved (bounded by ctx: then
+// the batch in flight is abandoned). The events of a transaction whose end
+// was not read are not published: their done gets an error at once.
+//
+// Close is idempotent and safe to call from several goroutines; Publish must
+// not be called once Close was.
+func (s *AtomicSession) Close(ctx context.Context) error {
+	s.mu.Lock()
+	var unfinished []batchMsg
+	if !s.closing {
+		s.closing = true
+		unfinished, s.open = s.open, nil
+		s.wake.Broadcast()
+	}
+	s.mu.Unlock()
+	fail(unfinished, errUnfinished)
+	select {
+	case <-s.done:
+		s.cancel()
+		return nil
+	case <-ctx.Done():
+		s.cancel()
+		<-s.done
+		return fmt.Errorf("wait for in-flight atomic batches: %w", ctx.Err())
+	}
+}
