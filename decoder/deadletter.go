@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"strconv"
+	"strings"
 	"unicode/utf8"
 )
 
@@ -65,8 +66,10 @@ func (c Config) DeadLetter(ev *Event, cause *InvalidEventError) Event {
 }
 
 // escape makes s safe as a header value: printable, valid UTF-8, at most
-// max bytes; anything else is written as a Go escape (\n, \x00...).
+// max bytes, anything else written as a Go escape (\n, \x00...), and
+// "Nats-" written "Nats_" (see mentionsNATSHeader).
 func escape(s string, max int) string {
+	s = strings.ReplaceAll(s, "Nats-", "Nats_")
 	if printable(s) && utf8.ValidString(s) && len(s) <= max {
 		return s
 	}

@@ -363,7 +363,7 @@ func TestParseHeaders(t *testing.T) {
 			t.Fatalf("%+v, want %+v", h, want)
 		}
 	}
-	for _, in := range []string{`{"n": 1}`, `{"o": {"x": "y"}}`, `{"a": [1]}`, `{"t": true}`, `[]`, `"x"`, `{"Nats-Msg-Id": "x"}`, `{"jetbox-source": "x"}`, `{"a b": "x"}`, `{"a": "x\r\nb"}`, `{`} {
+	for _, in := range []string{`{"n": 1}`, `{"o": {"x": "y"}}`, `{"a": [1]}`, `{"t": true}`, `[]`, `"x"`, `{"Nats-Msg-Id": "x"}`, `{"jetbox-source": "x"}`, `{"a b": "x"}`, `{"a": "x\r\nb"}`, `{"a": "see Nats-Msg-Id"}`, `{`} {
 		if _, err := parseHeaders([]byte(in)); err == nil {
 			t.Errorf("%s accepted", in)
 		}

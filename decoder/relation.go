@@ -206,6 +206,13 @@ func (r *relation) check(ev *Event, cols []column, cfg *Config) *InvalidEventErr
 	if !printable(ev.AggregateID) {
 		return invalid(ReasonBadAggregateID, "aggregate_id", fmt.Sprintf("aggregate_id %q holds control characters", ev.AggregateID), "it is sent as a header: strip CR, LF and other control characters")
 	}
+	for _, c := range []struct{ name, v, code string }{{"aggregate_id", ev.AggregateID, ReasonBadAggregateID},
+		{"aggregate_type", ev.AggregateType, ReasonBadSubject}, {"event_type", ev.EventType, ReasonBadSubject}} {
+		if mentionsNATSHeader(c.v) {
+			return invalid(c.code, c.name, fmt.Sprintf("%s %q holds \"Nats-\"", c.name, c.v),
+				"it is sent as a header, and NATS servers before 2.11 find their own headers by text search: it could hide Nats-Msg-Id (no dedup) or the order guard")
+		}
+	}
 	subject, serr := Subject(cfg.SubjectPrefix, ev.AggregateType, ev.EventType)
 	if serr != nil {
 		return invalid(ReasonBadSubject, "", serr.Error(), "aggregate_type and event_type must each be one NATS subject token: no spaces, '.', '*', '>' or control characters")

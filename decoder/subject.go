@@ -108,6 +108,9 @@ func parseHeaders(src []byte) ([]Header, error) {
 		if !printable(v) {
 			return nil, fmt.Errorf("header %q value holds control characters (CR, LF...)", k)
 		}
+		if mentionsNATSHeader(v) {
+			return nil, fmt.Errorf("header %q value holds \"Nats-\": NATS servers before 2.11 find their headers by text search, so it could hide Nats-Msg-Id (no dedup) or the order guard", k)
+		}
 		out = append(out, Header{Key: k, Value: v})
 	}
 	return out, nil
@@ -127,6 +130,11 @@ func jsonKind(raw json.RawMessage) string {
 		return "a number"
 	}
 }
+
+// mentionsNATSHeader reports whether a header value holds "Nats-": nats-server
+// 2.10 looks its headers up with a plain text search over the header block,
+// so such a value placed before the real header hides it.
+func mentionsNATSHeader(v string) bool { return strings.Contains(v, "Nats-") }
 
 func validHeaderName(k string) error {
 	if k == "" {
