@@ -409,16 +409,7 @@ func TestAtomicNATSRestart(t *testing.T) {
 // kills or 45s): every committed row once, in commit order, and no atomic
 // batch ends inside a transaction.
 func TestAtomicClusterLeaderKills(t *testing.T) {
-	f := newFixture(t)
-	c := testenv.StartCluster(t, 3)
-	f.natURL = c.URLs()
-	_, f.js = c.Connect(t)
-	_, err := f.js.CreateStream(ctxT(t, 30*time.Second), jetstream.StreamConfig{
-		Name: "OUTBOX", Subjects: []string{"outbox.>"}, Storage: jetstream.FileStorage,
-		Replicas: 3, Duplicates: 30 * time.Minute, AllowAtomicPublish: true,
-	})
-	must(t, err)
-	c.WaitStreamCurrent("OUTBOX")
+	f, c := newClusterFixture(t, true)
 	f.env = append(f.env, "JETBOX_PUBLISH_TIMEOUT=3s", exactlyOnce, atomicTx)
 	o := f.newOracle()
 	p := f.start()

@@ -24,17 +24,24 @@ func TestClusterLeaderKills(t *testing.T) {
 	}
 }
 
-func clusterLeaderKills(t *testing.T, env ...string) {
+// newClusterFixture points a fixture at a three-node JetStream cluster
+// holding an R3 OUTBOX stream (allowing atomic batches when atomic is set).
+func newClusterFixture(t *testing.T, atomic bool) (*fixture, *testenv.Cluster) {
 	f := newFixture(t)
 	c := testenv.StartCluster(t, 3)
 	f.natURL = c.URLs()
 	_, f.js = c.Connect(t)
 	_, err := f.js.CreateStream(ctxT(t, 30*time.Second), jetstream.StreamConfig{
 		Name: "OUTBOX", Subjects: []string{"outbox.>"}, Storage: jetstream.FileStorage,
-		Replicas: 3, Duplicates: 30 * time.Minute,
+		Replicas: 3, Duplicates: 30 * time.Minute, AllowAtomicPublish: atomic,
 	})
 	must(t, err)
 	c.WaitStreamCurrent("OUTBOX")
+	return f, c
+}
+
+func clusterLeaderKills(t *testing.T, env ...string) {
+	f, c := newClusterFixture(t, false)
 	// A publish lost with its leader is retried after 3s, not the default 30s.
 	f.env = append(append(f.env, "JETBOX_PUBLISH_TIMEOUT=3s"), env...)
 	o := f.newOracle()
