@@ -30,6 +30,7 @@ func (s *syncBuffer) Write(p []byte) (int, error) {
 func (s *syncBuffer) String() string { s.mu.Lock(); defer s.mu.Unlock(); return s.b.String() }
 
 func requirePG(t *testing.T) {
+	testenv.SkipIfShort(t)
 	if _, err := pgcluster.FindBinDir(); err != nil {
 		if testenv.RequireServers() {
 			t.Fatal(err)

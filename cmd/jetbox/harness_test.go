@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"os"
 	"os/exec"
@@ -30,6 +31,10 @@ func TestMain(m *testing.M) {
 		if strings.HasPrefix(a, "-test.fuzzworker") {
 			os.Exit(m.Run()) // fuzz workers run pure fuzz targets only
 		}
+	}
+	flag.Parse()
+	if testing.Short() {
+		os.Exit(m.Run()) // the fast tier runs no binary (integration tests skip)
 	}
 	dir, err := os.MkdirTemp("", "jetbox-bin-")
 	if err != nil {

@@ -42,6 +42,7 @@ func (n *ClusterNode) Running() bool { return n.srv != nil }
 // every server is current. Cleanup shuts it down.
 func StartCluster(t testing.TB, size int) *Cluster {
 	t.Helper()
+	SkipIfShort(t)
 	c := &Cluster{t: t, Name: "jetbox-test"}
 	for i := 0; i < size; i++ {
 		n := &ClusterNode{Name: fmt.Sprintf("n%d", i+1), port: FreePort(t), cport: FreePort(t), store: t.TempDir()}

@@ -39,6 +39,15 @@ func WithSetting(name, value string) PGOption {
 	return func(p *Postgres) { p.settings = append(p.settings, name+"="+value) }
 }
 
+// SkipIfShort skips an integration test under -short: the fast tier runs
+// unit, fake-walsender and fuzz-seed tests only.
+func SkipIfShort(t testing.TB) {
+	t.Helper()
+	if testing.Short() {
+		t.Skip("integration test with real servers: run without -short")
+	}
+}
+
 // RequireServers reports whether a missing server must fail the test.
 func RequireServers() bool { return os.Getenv("JETBOX_REQUIRE_SERVERS") == "1" }
 
@@ -52,6 +61,7 @@ var (
 // its files. Clusters are copies of one initdb per test binary.
 func StartPostgres(t testing.TB, opts ...PGOption) *Postgres {
 	t.Helper()
+	SkipIfShort(t)
 	bin, err := pgcluster.FindBinDir()
 	if err != nil {
 		if RequireServers() {
