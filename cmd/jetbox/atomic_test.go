@@ -446,6 +446,9 @@ func TestAtomicClusterLeaderKills(t *testing.T) {
 // transaction is stored whole, in one atomic batch, the dead letter in the
 // row's place and the last row marked Jetbox-Tx-Last, each once, in order.
 func TestAtomicLimitLoweredWhileRunning(t *testing.T) {
+	if testing.Short() {
+		t.Skip("end to end: builds and runs jetbox against Postgres and NATS")
+	}
 	for _, policy := range []string{"stop", "dead-letter"} {
 		t.Run(policy, func(t *testing.T) {
 			f := newFixture(t)
