@@ -23,8 +23,9 @@ const (
 
 // DeadLetter returns the event that replaces ev, which cannot be published
 // for cause: subject <DeadLetterSubject>.<cause.Code>, the row's payload
-// (or, when it does not fit, a JSON reference to the row), headers naming
-// the reason, the row id, its LSN and original subject. Its Nats-Msg-Id is
+// (or, when it does not fit, and always for a too-large row, a JSON
+// reference to the row), headers naming the reason, the row id, its LSN
+// and original subject. Its Nats-Msg-Id is
 // derived from the row's position, so replays of it are deduplicated and it
 // never collides with a row id. Values from the row are escaped to be safe
 // as headers.
@@ -55,7 +56,9 @@ func (c Config) DeadLetter(ev *Event, cause *InvalidEventError) Event {
 	}
 	// The row's own headers, when they were not the problem.
 	dl.Headers = append(append([]Header(nil), base...), ev.Headers...)
-	if c.MaxMessageSize > 0 && dl.WireSize() > c.MaxMessageSize {
+	// A too-large row's payload never fits, even when the limit was
+	// lowered after MaxMessageSize was read.
+	if cause.Code == ReasonTooLarge || (c.MaxMessageSize > 0 && dl.WireSize() > c.MaxMessageSize) {
 		ref, _ := json.Marshal(map[string]any{
 			"table": c.Schema + "." + c.Table, "id": ev.ID, "commit_lsn": ev.CommitLSN.String(), "tx_index": ev.TxIndex,
 		})

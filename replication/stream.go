@@ -566,6 +566,7 @@ func (l *loop) republish(ctx context.Context, failed int, cause error) error {
 		l.sess = sess
 		retries := l.tracker.Requeue()
 		l.s.cfg.Metrics.Retries.Add(float64(len(retries)))
+		cut := false // a resend failed: what the session holds is not a whole transaction
 		for _, r := range retries {
 			ev := r.Payload.(*decoder.Event)
 			if ie := l.deadLetterable(r.Err); ie != nil {
@@ -579,6 +580,7 @@ func (l *loop) republish(ctx context.Context, failed int, cause error) error {
 			l.send(r.Ticket, ev)
 			if n, _ := l.tracker.Failures(); n > 0 {
 				l.tracker.FailPending(errAbandoned) // nothing after a failure can be stored
+				cut = true
 				break
 			}
 		}
@@ -588,7 +590,7 @@ func (l *loop) republish(ctx context.Context, failed int, cause error) error {
 		for l.txLSN != 0 && open > 0 && retries[open-1].Payload.(*decoder.Event).CommitLSN == l.txLSN {
 			open--
 		}
-		if open == len(retries) {
+		if open == len(retries) && !cut {
 			l.sess.EndTransaction()
 		}
 		for {

@@ -65,6 +65,7 @@ type AtomicSession struct {
 	// exactly-once resume point: the stream's last message at open
 	last    Position
 	hasLast bool
+	source  string // this writer's WAL history (Jetbox-Source)
 	tx      txText // Publish's goroutine only
 
 	mu      sync.Mutex
@@ -127,7 +128,7 @@ func (p *Publisher) OpenAtomic(ctx context.Context, source string) (*AtomicSessi
 		maxSize = m
 	}
 	s := &AtomicSession{p: p, max: limit, maxSize: maxSize, done: make(chan struct{}),
-		nextSeq: r.nextSeq, last: r.last, hasLast: r.nextSeq > 0}
+		nextSeq: r.nextSeq, last: r.last, hasLast: r.nextSeq > 0, source: source}
 	s.ctx, s.cancel = context.WithCancel(context.WithoutCancel(ctx))
 	s.wake = sync.NewCond(&s.mu)
 	go s.watchConn(p.nc.StatusChanged(nats.RECONNECTING, nats.CLOSED))
@@ -269,7 +270,9 @@ func (p *Publisher) probe(ctx context.Context, subject, id string, n int, commit
 // Publish adds ev to the transaction being read. done is called exactly
 // once: with nil after ev's batch was stored (or at once for a replay of
 // what the stream held at open), or with an error. An error returned here
-// means ev was not taken and done will not be called. Called from one
+// means ev was not taken and done will not be called; an event refused
+// for its size also fails the session (its transaction is never sealed
+// without it: Close fails the transaction's other events). Called from one
 // goroutine.
 func (s *AtomicSession) Publish(ev *decoder.Event, done func(error)) error {
 	pos := Position{CommitLSN: uint64(ev.CommitLSN), TxIndex: ev.TxIndex}
@@ -283,6 +286,10 @@ func (s *AtomicSession) Publish(ev *decoder.Event, done func(error)) error {
 	h := s.p.header(ev, &s.tx, 4)
 	msg := &nats.Msg{Subject: ev.Subject, Data: ev.Payload, Header: h}
 	if size := len(msg.Data) + headerSize(h) + batchOverhead; size > s.maxSize {
+		// The transaction now lacks an event: it must never be sealed.
+		s.mu.Lock()
+		s.failed = true
+		s.mu.Unlock()
 		return tooLarge(ev.ID, ev.CommitLSN, ev.TxIndex, fmt.Sprintf("message of about %d bytes (payload %d) is over the limit of %d bytes (the server's max_payload or the stream's max_msg_size)", size, len(ev.Payload), s.maxSize))
 	}
 	s.mu.Lock()
@@ -516,17 +523,37 @@ func (s *AtomicSession) explain(batch []batchMsg, err error) (int, error) {
 		return be.culprit, be.err
 	}
 	var apiErr *jetstream.APIError
+	if errors.Is(err, nats.ErrMaxPayload) {
+		if i, ierr := s.oversized(batch); i >= 0 {
+			return i, ierr
+		}
+	}
 	if !errors.As(err, &apiErr) {
 		return -1, err
 	}
 	switch apiErr.ErrorCode {
 	case jetstreamext.JSErrCodeBatchPublishNotEnabled:
 		return -1, s.p.atomicSupport(false)
+	case jetstream.JSErrCodeStreamMessageExceedsMaximum, jetstreamext.JSErrCodeBatchPublishIncomplete:
+		// JetStream drops a message over the stream's max_msg_size from
+		// its batch (refused alone, or the batch is then incomplete): the
+		// limits may have been lowered since the session opened.
+		if i, ierr := s.oversized(batch); i >= 0 {
+			return i, ierr
+		}
 	case jetstreamext.JSErrCodeBatchPublishDuplicateMsgID:
-		// Replays are skipped by position, so this is another row's id,
-		// still in the duplicate window: ask which.
 		ctx, cancel := context.WithTimeout(s.ctx, s.p.cfg.PublishTimeout)
 		defer cancel()
+		// A replay: the batch was applied after all (a leader change, a
+		// stale instance during a takeover) after this session read the
+		// stream's last message. A new session resumes after it.
+		if held, rerr := s.streamHolds(ctx, batch[0].pos); rerr != nil {
+			return -1, fmt.Errorf("%w (and reading the stream's last message failed: %v)", err, rerr)
+		} else if held {
+			return -1, fmt.Errorf("the stream already holds this batch's events (stored by an earlier attempt or another instance after this session opened): resuming after the stream's last message: %w", err)
+		}
+		// Not a replay: this is another row's id, still in the
+		// duplicate window: ask which.
 		for i, b := range batch {
 			code, perr := s.p.probe(ctx, b.msg.Subject, b.id, 1, true)
 			if perr != nil {
@@ -542,6 +569,51 @@ func (s *AtomicSession) explain(batch []batchMsg, err error) (int, error) {
 			Hint: "check that jetbox is the stream's only writer and restart it"}
 	}
 	return -1, err
+}
+
+// streamHolds reports whether the stream's last message is, now, from
+// this source at or after pos.
+func (s *AtomicSession) streamHolds(ctx context.Context, pos Position) (bool, error) {
+	st, err := s.p.js.Stream(ctx, s.p.cfg.Stream)
+	if err != nil {
+		return false, fmt.Errorf("look up stream %q: %w", s.p.cfg.Stream, err)
+	}
+	if st.CachedInfo().State.LastSeq == 0 {
+		return false, nil
+	}
+	// The message-get API, unlike the stream info, is isolated from a batch being applied.
+	m, err := st.GetLastMsgForSubject(ctx, ">")
+	if errors.Is(err, jetstream.ErrMsgNotFound) {
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	last, ok := positionOf(m.Header)
+	return ok && m.Header.Get(HeaderSource) == s.source && !last.Less(pos), nil
+}
+
+// oversized returns the first message of a refused batch over the limits
+// the server and the stream have now (they may have been lowered since the
+// session opened), with its too-large error; -1 when none is.
+func (s *AtomicSession) oversized(batch []batchMsg) (int, error) {
+	limit, what := int(s.p.nc.MaxPayload()), "the server's max_payload"
+	ctx, cancel := context.WithTimeout(s.ctx, s.p.cfg.PublishTimeout)
+	defer cancel()
+	if st, err := s.p.js.Stream(ctx, s.p.cfg.Stream); err == nil {
+		if m := int(st.CachedInfo().Config.MaxMsgSize); m > 0 && m < limit {
+			limit, what = m, "the stream's max_msg_size"
+		}
+	}
+	for i, b := range batch {
+		// What the server measures: the payload and the encoded headers,
+		// including the batch's own.
+		if size := len(b.msg.Data) + headerSize(b.msg.Header); size > limit {
+			return i, tooLarge(b.id, pglogrepl.LSN(b.pos.CommitLSN), b.pos.TxIndex,
+				fmt.Sprintf("message of %d bytes (payload %d) is over %s of %d bytes (lowered while jetbox ran?): JetStream refused its atomic batch", size, len(b.msg.Data), what, limit))
+		}
+	}
+	return -1, nil
 }
 
 // Close waits until every sealed batch was resolved (bounded by ctx: then

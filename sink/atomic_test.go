@@ -336,3 +336,184 @@ func TestAtomicBatchLimitFromServer(t *testing.T) {
 		t.Fatalf("batches of %v, want [37 37 26]", sizes)
 	}
 }
+
+// TestAtomicReplayNotBlamedOnARow: a batch the stream already holds
+// (stored, after this session read the stream's last message, by an earlier
+// attempt the server applied after all, or by a stale instance during a
+// takeover: same ids, positions and source) is refused for its ids; that is
+// a replay, not a repeated id. The batch fails with an error that neither
+// names a row nor stops jetbox, and a new session skips those events by
+// position and stores the later ones in order.
+func TestAtomicReplayNotBlamedOnARow(t *testing.T) {
+	n := testenv.StartNATS(t)
+	p := newPublisher(t, n, atomicConfig())
+	if _, err := p.EnsureStream(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	first := txn(0x5000, "first", 2)
+	for _, err := range atomicRun(t, p, first) {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	s, err := p.OpenAtomic(context.Background(), "test") // reads the stream's last message: first-1
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx := txn(0x5001, "r", 3)
+	// Behind the session's back, a stale jetbox (its own connection) stores
+	// the same transaction.
+	for _, err := range atomicRun(t, newPublisher(t, n, atomicConfig()), tx) {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	errs := make([]error, len(tx))
+	done := make(chan struct{}, len(tx))
+	for i, ev := range tx {
+		if err := s.Publish(ev, func(err error) { errs[i] = err; done <- struct{}{} }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	s.EndTransaction()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := s.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if len(done) != len(tx) {
+		t.Fatalf("%d of %d done callbacks ran", len(done), len(tx))
+	}
+	for i, err := range errs {
+		var ie *decoder.InvalidEventError
+		var pe interface{ Permanent() bool }
+		switch {
+		case err == nil:
+			t.Fatalf("event %d: stored twice?", i)
+		case errors.As(err, &ie):
+			t.Fatalf("event %d: a replay blamed on a row: %v", i, err)
+		case errors.As(err, &pe) && pe.Permanent():
+			t.Fatalf("event %d: a replay as a permanent error: %v", i, err)
+		}
+	}
+	t.Logf("the replayed batch failed with: %v", errs[0])
+
+	// The republish: a new session skips the replay, stores what follows.
+	before := p.Stats()
+	after := txn(0x5002, "after", 2)
+	for i, err := range atomicRun(t, p, tx, after) {
+		if err != nil {
+			t.Fatalf("event %d after reopening: %v", i, err)
+		}
+	}
+	if st := p.Stats(); st.Duplicates != before.Duplicates+3 || st.Published != before.Published+2 {
+		t.Fatalf("after reopening: stats %+v after %+v, want 3 replays skipped and 2 stored", st, before)
+	}
+	_, js := n.Connect(t)
+	var ids []string
+	for _, m := range testenv.ReadStream(t, js, "OUTBOX", true) {
+		ids = append(ids, m.ID)
+	}
+	if got, want := strings.Join(ids, " "), "first-0 first-1 r-0 r-1 r-2 after-0 after-1"; got != want {
+		t.Fatalf("stream holds %s, want %s", got, want)
+	}
+}
+
+// TestAtomicTooLargeNeverStoredInPart: a row over a limit lowered after the
+// session opened (the stream's max_msg_size, or the server's max_payload
+// after a restart) makes its batch fail: that row fails as too-large (so it
+// can be dead lettered), the others plainly. A row the session itself
+// refuses for its size fails the session: the rest of its transaction is
+// never sealed without it. Nothing of either is stored.
+func TestAtomicTooLargeNeverStoredInPart(t *testing.T) {
+	for _, c := range []struct {
+		name  string
+		lower func(t *testing.T, n *testenv.NATS, js jetstream.JetStream, nc *nats.Conn)
+		limit string
+	}{
+		{"stream max_msg_size", func(t *testing.T, n *testenv.NATS, js jetstream.JetStream, nc *nats.Conn) {
+			st, err := js.Stream(context.Background(), "OUTBOX")
+			if err != nil {
+				t.Fatal(err)
+			}
+			cfg := st.CachedInfo().Config
+			cfg.MaxMsgSize = 4096
+			if _, err := js.UpdateStream(context.Background(), cfg); err != nil {
+				t.Fatal(err)
+			}
+		}, "the stream's max_msg_size of 4096"},
+		{"server max_payload", func(t *testing.T, n *testenv.NATS, js jetstream.JetStream, nc *nats.Conn) {
+			n.RestartWith(testenv.WithMaxPayload(4096))
+			testenv.WaitFor(t, 30*time.Second, func() error {
+				if !nc.IsConnected() || nc.MaxPayload() != 4096 {
+					return fmt.Errorf("connected %v, max payload %d", nc.IsConnected(), nc.MaxPayload())
+				}
+				return nil
+			})
+		}, "the server's max_payload of 4096"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			n := testenv.StartNATS(t)
+			nc, js := n.Connect(t)
+			p, err := sink.New(nc, atomicConfig(), zerolog.New(zerolog.NewTestWriter(t)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx := context.Background()
+			if _, err := p.EnsureStream(ctx); err != nil {
+				t.Fatal(err)
+			}
+			s, err := p.OpenAtomic(ctx, "test") // reads the limits
+			if err != nil {
+				t.Fatal(err)
+			}
+			c.lower(t, n, js, nc)
+			tooLarge := func(err error, id string) bool {
+				var ie *decoder.InvalidEventError
+				return errors.As(err, &ie) && ie.Code == decoder.ReasonTooLarge && ie.ID == id
+			}
+			isInvalid := func(err error) bool { var ie *decoder.InvalidEventError; return errors.As(err, &ie) }
+
+			tx := txn(0x6000, "t", 5)
+			tx[3].Payload = []byte(`{"pad":"` + strings.Repeat("x", 8000) + `"}`)
+			errs := make([]error, len(tx))
+			done := make(chan struct{}, len(tx))
+			for i, ev := range tx {
+				if err := s.Publish(ev, func(err error) { errs[i] = err; done <- struct{}{} }); err != nil {
+					t.Fatal(err)
+				}
+			}
+			s.EndTransaction()
+			if err := s.Close(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if !tooLarge(errs[3], "t-3") || !strings.Contains(errs[3].Error(), c.limit) || isInvalid(errs[0]) || isInvalid(errs[4]) || len(done) != 5 {
+				t.Fatalf("batch refused for size: %v", errs)
+			}
+
+			// A new session reads the lowered limit and refuses row 3 itself.
+			s, err = p.OpenAtomic(ctx, "test")
+			if err != nil {
+				t.Fatal(err)
+			}
+			errs = make([]error, len(tx))
+			done = make(chan struct{}, len(tx))
+			for i, ev := range tx {
+				err := s.Publish(ev, func(err error) { errs[i] = err; done <- struct{}{} })
+				if i == 3 && !tooLarge(err, "t-3") || i < 3 && err != nil || i == 4 && err == nil {
+					t.Fatalf("Publish of row %d: %v", i, err)
+				}
+			}
+			s.EndTransaction()
+			if err := s.Close(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if len(done) != 3 || errs[0] == nil || errs[2] == nil || isInvalid(errs[0]) {
+				t.Fatalf("the rows before the refused one: %v", errs[:3])
+			}
+			if msgs := testenv.ReadStream(t, js, "OUTBOX", false); len(msgs) != 0 {
+				t.Fatalf("%d messages stored, want none", len(msgs))
+			}
+		})
+	}
+}

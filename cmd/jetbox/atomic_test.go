@@ -436,3 +436,79 @@ func TestAtomicClusterLeaderKills(t *testing.T) {
 		t.Fatalf("exit code %d after SIGTERM", code)
 	}
 }
+
+// TestAtomicLimitLoweredWhileRunning: the stream's max_msg_size is lowered
+// under a running jetbox, then a transaction of five rows commits whose
+// fourth is over the new limit. JetStream refuses the batch (the session
+// read the old limit); jetbox names that row as too-large and never stores
+// the transaction in part: with --on-invalid=stop it exits 1 and no row of
+// the transaction is in the stream; with --on-invalid=dead-letter the
+// transaction is stored whole, in one atomic batch, the dead letter in the
+// row's place and the last row marked Jetbox-Tx-Last, each once, in order.
+func TestAtomicLimitLoweredWhileRunning(t *testing.T) {
+	if testing.Short() {
+		t.Skip("end to end: builds and runs jetbox against Postgres and NATS")
+	}
+	for _, policy := range []string{"stop", "dead-letter"} {
+		t.Run(policy, func(t *testing.T) {
+			f := newFixture(t)
+			f.env = append(f.env, exactlyOnce, atomicTx, "JETBOX_ON_INVALID="+policy)
+			p := f.start()
+			f.waitStreaming(p)
+			conn := f.conn()
+			before := f.insertTx(conn, "before", 2)
+			f.waitCount(2, time.Minute) // the session is open: it read the stream's limits
+
+			st, err := f.js.Stream(ctxT(t, 10*time.Second), "OUTBOX")
+			must(t, err)
+			cfg := st.CachedInfo().Config
+			cfg.MaxMsgSize = 8 * 1024
+			_, err = f.js.UpdateStream(ctxT(t, 10*time.Second), cfg)
+			must(t, err)
+			rows, err := conn.Query(ctxT(t, time.Minute), `INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+				SELECT 'order', 'tx', 'OrderCreated', jsonb_build_object('n', g, 'pad', repeat('x', CASE WHEN g = 4 THEN 20000 ELSE 10 END))
+				FROM generate_series(1, 5) g RETURNING id::text`)
+			must(t, err)
+			ids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+			must(t, err)
+
+			if policy == "stop" {
+				if code := p.wait(2 * time.Minute); code != exitFailure {
+					t.Fatalf("exit %d, want %d:\n%s", code, exitFailure, p.tail(3000))
+				}
+				for _, want := range []string{ids[3], "too-large", "max_msg_size"} {
+					if !strings.Contains(p.logText(), want) {
+						t.Fatalf("log lacks %q:\n%s", want, p.tail(3000))
+					}
+				}
+				f.assertStream(before) // nothing of the transaction, not even its first rows
+				return
+			}
+			f.waitCount(7, 2*time.Minute)
+			msgs := testenv.ReadStream(t, f.js, "OUTBOX", true)
+			tx := msgs[2:]
+			for i, m := range tx {
+				switch {
+				case i == 3:
+					if m.Subject != "outbox._dlq.too-large" || m.Header.Get("Jetbox-Row-Id") != ids[3] {
+						t.Fatalf("seq %d: subject %s, row id %q; want the dead letter of %s", m.Seq, m.Subject, m.Header.Get("Jetbox-Row-Id"), ids[3])
+					}
+				case m.ID != ids[i]:
+					t.Fatalf("seq %d holds %s, want row %d of the transaction (%s)", m.Seq, m.ID, i, ids[i])
+				}
+				if last := m.Header.Get("Jetbox-Tx-Last") == "true"; last != (i == 4) {
+					t.Fatalf("seq %d (row %d of 5): Jetbox-Tx-Last %v", m.Seq, i, last)
+				}
+				if m.Header.Get("Nats-Batch-Id") != tx[0].Header.Get("Nats-Batch-Id") {
+					t.Fatalf("seq %d (row %d of 5) was stored by another atomic batch than row 0", m.Seq, i)
+				}
+			}
+			if msgs[0].ID != before[0] || msgs[1].ID != before[1] {
+				t.Fatalf("the first transaction: %s, %s", msgs[0].ID, msgs[1].ID)
+			}
+			if code := p.stop(); code != exitOK {
+				t.Fatalf("exit %d", code)
+			}
+		})
+	}
+}

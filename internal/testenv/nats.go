@@ -157,6 +157,16 @@ func (n *NATS) Restart() {
 	n.Start()
 }
 
+// RestartWith stops the server and starts it again with opts applied.
+func (n *NATS) RestartWith(opts ...NATSOption) {
+	n.t.Helper()
+	n.Stop()
+	for _, o := range opts {
+		o(&n.opts)
+	}
+	n.Start()
+}
+
 // Connect returns a client connection closed at cleanup, and its JetStream.
 func (n *NATS) Connect(t testing.TB) (*nats.Conn, jetstream.JetStream) {
 	t.Helper()
