@@ -362,7 +362,8 @@ type seal struct {
 // stuck), like sink.AtomicSession; the verdict applies when they go out.
 type fakeSink struct {
 	batching  bool
-	hangClose bool // Close waits for its context to end, then gives up
+	hangClose bool   // Close waits for its context to end, then gives up
+	onOpen    func() // called on every Open, before it succeeds or fails
 	down      atomic.Bool
 
 	mu        sync.Mutex
@@ -381,6 +382,9 @@ func (s *fakeSink) Open(ctx context.Context, source string) (Session, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.opens++
+	if s.onOpen != nil {
+		s.onOpen()
+	}
 	if s.down.Load() {
 		return nil, errSinkDown
 	}
@@ -608,13 +612,22 @@ func (fs *fakeSession) Close(ctx context.Context) error {
 	return fmt.Errorf("fake sink: wait for acks: %w", ctx.Err())
 }
 
-func (s *fakeSink) closes() (calls int, allClosed bool) {
+func (s *fakeSink) closes() (calls int) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	allClosed = true
 	for _, fs := range s.sessions {
 		calls += fs.closes
-		allClosed = allClosed && fs.closed
 	}
-	return calls, allClosed
+	return calls
+}
+
+// closed says, for each session in open order, whether Close was called.
+func (s *fakeSink) closed() []bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]bool, len(s.sessions))
+	for i, fs := range s.sessions {
+		out[i] = fs.closed
+	}
+	return out
 }
