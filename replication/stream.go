@@ -44,7 +44,7 @@ type Config struct {
 	StandbyRetry     time.Duration // how often a standby retries the slot (another instance holds it)
 
 	HeartbeatInterval time.Duration // 0: no heartbeats
-	MonitorInterval   time.Duration // how often to read the slot's lag and retained WAL
+	MonitorInterval   time.Duration // how often to read the slot's lag and retained WAL (< 0: no monitor)
 	MaxRetainedWAL    int64         // warn above this many retained WAL bytes; 0: off
 	Metrics           *metrics.Metrics
 }
@@ -122,7 +122,7 @@ func New(connString string, cfg Config, sink Sink, log zerolog.Logger) (*Streame
 	if cfg.StandbyRetry <= 0 {
 		cfg.StandbyRetry = time.Second
 	}
-	if cfg.MonitorInterval <= 0 {
+	if cfg.MonitorInterval == 0 {
 		cfg.MonitorInterval = 5 * time.Second
 	}
 	if cfg.Metrics == nil {
@@ -161,7 +161,12 @@ func (s *Streamer) SlotStats() SlotStats { return s.mon.snapshot() }
 func (s *Streamer) Run(ctx context.Context) error {
 	mctx, stopMonitor := context.WithCancel(ctx)
 	monitorDone := make(chan struct{})
-	go func() { defer close(monitorDone); s.mon.run(mctx) }()
+	go func() {
+		defer close(monitorDone)
+		if s.cfg.MonitorInterval > 0 {
+			s.mon.run(mctx)
+		}
+	}()
 	defer func() { stopMonitor(); <-monitorDone; s.setState(metrics.StateStopped) }()
 
 	bo := backoff.NewExponentialBackOff()
