@@ -636,7 +636,6 @@ func TestBatchingSessionFlushesWhenWindowFull(t *testing.T) {
 // the middle of a republished transaction must not seal the rows sent
 // before it as a whole transaction (EndTransaction for a cut transaction).
 func TestBatchingRepublishNeverSealsCutTransaction(t *testing.T) {
-	t.Skip("fixed on branch h-atomic: republish must not seal a cut transaction")
 	sink := &fakeSink{batching: true}
 	h := newHarness(t, Config{}, sink)
 	x := h.tx(6)
