@@ -172,6 +172,10 @@ func TestInvalidRows(t *testing.T) {
 		{"reserved header", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`{"Nats-Msg-Id": "x"}`), nil}, id1, "reserved", ReasonBadHeaders},
 		{"header with CRLF", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`{"a": "x\r\nb: y"}`), nil}, id1, "control", ReasonBadHeaders},
 		{"bad header name", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`{"a b": "x"}`), nil}, id1, "header name", ReasonBadHeaders},
+		// nats-server 2.10 finds its headers by text search (TestServerHeaderSearch in sink).
+		{"header name holding Nats-", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`{"X-Nats-Msg-Id": "x"}`), nil}, id1, "find their headers by text search", ReasonBadHeaders},
+		{"header name holding Nats-Expected-", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`{"trace-Nats-Expected-Last-Sequence": "1"}`), nil}, id1, "rename it", ReasonBadHeaders},
+		{"id holding Nats-", []*string{s("a-Nats-Expected-Last-Sequence"), s("order"), s("1"), s("E"), s("{}"), nil, nil}, "", "find their own headers by text search", ReasonBadID},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -363,9 +367,15 @@ func TestParseHeaders(t *testing.T) {
 			t.Fatalf("%+v, want %+v", h, want)
 		}
 	}
-	for _, in := range []string{`{"n": 1}`, `{"o": {"x": "y"}}`, `{"a": [1]}`, `{"t": true}`, `[]`, `"x"`, `{"Nats-Msg-Id": "x"}`, `{"jetbox-source": "x"}`, `{"a b": "x"}`, `{"a": "x\r\nb"}`, `{"a": "see Nats-Msg-Id"}`, `{`} {
+	for _, in := range []string{`{"n": 1}`, `{"o": {"x": "y"}}`, `{"a": [1]}`, `{"t": true}`, `[]`, `"x"`, `{"Nats-Msg-Id": "x"}`, `{"jetbox-source": "x"}`, `{"a b": "x"}`, `{"a": "x\r\nb"}`, `{"a": "see Nats-Msg-Id"}`, `{"X-Nats-Msg-Id": "x"}`, `{"a-Nats-Expected-Stream": "x"}`, `{`} {
 		if _, err := parseHeaders([]byte(in)); err == nil {
 			t.Errorf("%s accepted", in)
+		}
+	}
+	// Other spellings do not fool the server's search: accepted.
+	for _, in := range []string{`{"x-nats-msg-id": "x"}`, `{"X-NATS-MSG-ID": "nats-expected-last-sequence"}`} {
+		if _, err := parseHeaders([]byte(in)); err != nil {
+			t.Errorf("%s: %v", in, err)
 		}
 	}
 	for _, in := range []string{"null", "", "{}", "  {} "} {
