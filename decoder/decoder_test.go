@@ -422,3 +422,29 @@ func BenchmarkDecodeInsertWithHeaders(b *testing.B) {
 		}
 	}
 }
+
+// TestTableReplaced: a Relation message for the outbox with another OID than
+// the table's at start, in a transaction committed after the OID was read,
+// is ErrTableReplaced; older transactions (an older table's rows) and other
+// tables pass.
+func TestTableReplaced(t *testing.T) {
+	d := newTestDecoder()
+	d.SetOutbox(OutboxIdentity{OID: 5, LSN: 0x100})
+	decode(t, d, beginMsg(0x80, time.Now(), 1))
+	decode(t, d, relationMsg(4, "public", "outbox", outboxCols)) // history: before the OID was read
+	decode(t, d, commitMsg(0x80, 0x90, time.Now()))
+	decode(t, d, beginMsg(0x200, time.Now(), 2))
+	decode(t, d, relationMsg(5, "public", "outbox", outboxCols))
+	decode(t, d, relationMsg(9, "public", "other", outboxCols))
+	decode(t, d, commitMsg(0x200, 0x210, time.Now()))
+	decode(t, d, beginMsg(0x300, time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC), 3))
+	_, err := d.Decode(relationMsg(7, "public", "outbox", outboxCols))
+	if !errors.Is(err, ErrTableReplaced) || !strings.Contains(err.Error(), "relation OID 5 when jetbox started, 7 in transaction 0/300") ||
+		!strings.Contains(err.Error(), "committed before 2026-01-02T03:04:05Z") {
+		t.Fatalf("got %v", err)
+	}
+	// Without an identity nothing is checked.
+	d = newTestDecoder()
+	decode(t, d, beginMsg(0x300, time.Now(), 3))
+	decode(t, d, relationMsg(7, "public", "outbox", outboxCols))
+}

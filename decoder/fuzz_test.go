@@ -100,9 +100,17 @@ func splitDots(s string) []string { return strings.Split(s, ".") }
 func FuzzDecodeStream(f *testing.F) {
 	f.Add(joinMessages([][]byte{relationMsg(5, "public", "outbox", outboxCols), beginMsg(1, time.Unix(0, 0), 1),
 		insertMsg(5, s(id1), s("order"), s("o-1"), s("E"), s(`{}`), nil, nil), commitMsg(1, 2, time.Unix(0, 0))}))
+	// The outbox recreated under its name: a Relation message with a new OID.
+	f.Add(joinMessages([][]byte{beginMsg(2, time.Unix(0, 0), 2), relationMsg(6, "public", "outbox", outboxCols),
+		insertMsg(6, s(id1), s("order"), s("o-1"), s("E"), s(`{}`), nil, nil), commitMsg(2, 3, time.Unix(0, 0))}))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		for _, dlq := range []string{"", "outbox._dlq"} {
 			d := New(Config{Schema: "public", Table: "outbox", Columns: DefaultColumns, SubjectPrefix: "outbox", DeadLetterSubject: dlq, MaxMessageSize: 1 << 20})
+			if dlq == "" {
+				// The synthetic seeds' relation id (the captured ones have others:
+				// the dead-letter pass decodes them whole).
+				d.SetOutbox(OutboxIdentity{OID: 5, LSN: 1})
+			}
 			rest := data
 			for len(rest) >= 4 {
 				n := int(binary.BigEndian.Uint32(rest))
@@ -113,6 +121,9 @@ func FuzzDecodeStream(f *testing.F) {
 				msg := rest[:n]
 				rest = rest[n:]
 				m, err := d.Decode(msg)
+				if errors.Is(err, ErrTableReplaced) {
+					break // the forwarder stops on it
+				}
 				if err != nil {
 					var ie *InvalidEventError
 					if !errors.Is(err, ErrProtocol) && !errors.As(err, &ie) {
