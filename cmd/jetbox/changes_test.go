@@ -165,7 +165,8 @@ func TestTableReplacedWithinMonitorInterval(t *testing.T) {
 	// Replaced and published again in one transaction, no row written yet:
 	// the monitor notices the new OID.
 	p = f.start("JETBOX_MONITOR_INTERVAL=200ms")
-	f.waitStreaming(p)
+	f.insertOne(conn, "Streaming") // streamed: the session is open, and has read the OID
+	f.waitCount(6, 30*time.Second)
 	f.pg.Exec(t, "DROP TABLE outbox; "+outboxDDL+"; ALTER PUBLICATION jetbox ADD TABLE outbox")
 	p.waitExit(exitFailure, "table public.outbox was dropped and recreated while jetbox ran, after", "were never streamed", "then restart jetbox")
 }
