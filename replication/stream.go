@@ -351,7 +351,7 @@ func (s *Streamer) checkOutboxOID(ctx context.Context, conn *pgconn.PgConn) erro
 func (s *Streamer) replacedError(was, now uint32, when string) error {
 	t := s.cfg.qualifiedTable()
 	return fmt.Errorf("%w: table %s was dropped and recreated %s (relation OID %d at start, now %d): Postgres streams a new table only from the moment it is added to publication %q, so rows inserted into it before then were never streamed, and jetbox stops rather than lose them silently; "+
-		"fix: re-insert, with their ids, the rows of %s the stream lacks (every row the new table got before it was published, and any row the old table got after jetbox's last \"streaming\" log line; the stream dedups those it has), then restart jetbox",
+		"fix: re-insert, with their ids, the rows of %s committed before it was added to the publication again (the stream dedups those it has), then restart jetbox",
 		decoder.ErrTableReplaced, t, when, was, now, s.cfg.Publication, t)
 }
 
