@@ -106,10 +106,25 @@ type Event struct {
 // Header is one user header copied from the row's headers column.
 type Header struct{ Key, Value string }
 
+// OutboxIdentity tells which table the outbox is: its relation OID, read
+// from the catalog when the WAL was at LSN. A table dropped and recreated
+// under the same name has a new OID, and the rows written to it before it
+// was added to the publication were never streamed. Rows committed before
+// LSN may come from an older table of that name (history, not checked).
+type OutboxIdentity struct {
+	OID uint32 // 0: unknown, nothing is checked
+	LSN pglogrepl.LSN
+}
+
+// ErrTableReplaced marks a Relation message for the outbox table with
+// another relation OID than the one it had (see OutboxIdentity).
+var ErrTableReplaced = errors.New("outbox table replaced")
+
 // Decoder decodes pgoutput messages of one replication session.
 type Decoder struct {
 	cfg       Config
 	relations map[uint32]*relation
+	outbox    OutboxIdentity
 
 	inTxn      bool
 	commitLSN  pglogrepl.LSN
@@ -122,6 +137,11 @@ type Decoder struct {
 func New(cfg Config) *Decoder {
 	return &Decoder{cfg: cfg, relations: make(map[uint32]*relation)}
 }
+
+// SetOutbox sets which table the outbox is (see OutboxIdentity); from then
+// on a Relation message for the outbox in a transaction committed after
+// id.LSN with another OID is an error wrapping ErrTableReplaced.
+func (d *Decoder) SetOutbox(id OutboxIdentity) { d.outbox = id }
 
 // InTransaction reports whether a Begin was decoded without its Commit.
 func (d *Decoder) InTransaction() bool { return d.inTxn }
@@ -172,7 +192,13 @@ func (d *Decoder) Decode(data []byte) (msg Message, err error) {
 		if err := m.Decode(data[1:]); err != nil {
 			return Message{}, fmt.Errorf("%w: %v", ErrProtocol, err)
 		}
-		d.relations[m.RelationID] = d.newRelation(&m)
+		r := d.newRelation(&m)
+		if r.outbox {
+			if err := d.checkOutboxOID(m.RelationID); err != nil {
+				return Message{}, err
+			}
+		}
+		d.relations[m.RelationID] = r
 		return Message{}, nil
 	case pglogrepl.MessageTypeInsert:
 		return d.decodeInsert(data[1:])
@@ -182,6 +208,19 @@ func (d *Decoder) Decode(data []byte) (msg Message, err error) {
 	default:
 		return Message{}, fmt.Errorf("%w: unsupported message type %q (is streaming or two_phase on? jetbox needs both off)", ErrProtocol, data[0])
 	}
+}
+
+// checkOutboxOID refuses a Relation message for the outbox table whose OID
+// is not the table's: the table was dropped and recreated.
+func (d *Decoder) checkOutboxOID(oid uint32) error {
+	id := d.outbox
+	if id.OID == 0 || oid == id.OID || !d.inTxn || d.commitLSN <= id.LSN {
+		return nil
+	}
+	at := d.commitTime.Format(time.RFC3339Nano)
+	return fmt.Errorf("%w: table %s.%s was dropped and recreated while jetbox ran (relation OID %d when jetbox started, %d in transaction %s committed at %s): Postgres streams a new table only from the moment it is added to the publication, so rows inserted into it before then were never streamed, and jetbox stops rather than lose them silently; "+
+		"fix: re-insert, with their ids, the rows of %s.%s committed before %s that the stream lacks (the stream dedups those it has), then restart jetbox, which goes on from this transaction",
+		ErrTableReplaced, d.cfg.Schema, d.cfg.Table, id.OID, oid, d.commitLSN, at, d.cfg.Schema, d.cfg.Table, at)
 }
 
 func (d *Decoder) decodeInsert(src []byte) (Message, error) {

@@ -172,6 +172,10 @@ func TestInvalidRows(t *testing.T) {
 		{"reserved header", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`{"Nats-Msg-Id": "x"}`), nil}, id1, "reserved", ReasonBadHeaders},
 		{"header with CRLF", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`{"a": "x\r\nb: y"}`), nil}, id1, "control", ReasonBadHeaders},
 		{"bad header name", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`{"a b": "x"}`), nil}, id1, "header name", ReasonBadHeaders},
+		// nats-server 2.10 finds its headers by text search (TestServerHeaderSearch in sink).
+		{"header name holding Nats-", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`{"X-Nats-Msg-Id": "x"}`), nil}, id1, "find their headers by text search", ReasonBadHeaders},
+		{"header name holding Nats-Expected-", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`{"trace-Nats-Expected-Last-Sequence": "1"}`), nil}, id1, "rename it", ReasonBadHeaders},
+		{"id holding Nats-", []*string{s("a-Nats-Expected-Last-Sequence"), s("order"), s("1"), s("E"), s("{}"), nil, nil}, "", "find their own headers by text search", ReasonBadID},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -363,9 +367,15 @@ func TestParseHeaders(t *testing.T) {
 			t.Fatalf("%+v, want %+v", h, want)
 		}
 	}
-	for _, in := range []string{`{"n": 1}`, `{"o": {"x": "y"}}`, `{"a": [1]}`, `{"t": true}`, `[]`, `"x"`, `{"Nats-Msg-Id": "x"}`, `{"jetbox-source": "x"}`, `{"a b": "x"}`, `{"a": "x\r\nb"}`, `{"a": "see Nats-Msg-Id"}`, `{`} {
+	for _, in := range []string{`{"n": 1}`, `{"o": {"x": "y"}}`, `{"a": [1]}`, `{"t": true}`, `[]`, `"x"`, `{"Nats-Msg-Id": "x"}`, `{"jetbox-source": "x"}`, `{"a b": "x"}`, `{"a": "x\r\nb"}`, `{"a": "see Nats-Msg-Id"}`, `{"X-Nats-Msg-Id": "x"}`, `{"a-Nats-Expected-Stream": "x"}`, `{`} {
 		if _, err := parseHeaders([]byte(in)); err == nil {
 			t.Errorf("%s accepted", in)
+		}
+	}
+	// Other spellings do not fool the server's search: accepted.
+	for _, in := range []string{`{"x-nats-msg-id": "x"}`, `{"X-NATS-MSG-ID": "nats-expected-last-sequence"}`} {
+		if _, err := parseHeaders([]byte(in)); err != nil {
+			t.Errorf("%s: %v", in, err)
 		}
 	}
 	for _, in := range []string{"null", "", "{}", "  {} "} {
@@ -411,4 +421,30 @@ func BenchmarkDecodeInsertWithHeaders(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
+}
+
+// TestTableReplaced: a Relation message for the outbox with another OID than
+// the table's at start, in a transaction committed after the OID was read,
+// is ErrTableReplaced; older transactions (an older table's rows) and other
+// tables pass.
+func TestTableReplaced(t *testing.T) {
+	d := newTestDecoder()
+	d.SetOutbox(OutboxIdentity{OID: 5, LSN: 0x100})
+	decode(t, d, beginMsg(0x80, time.Now(), 1))
+	decode(t, d, relationMsg(4, "public", "outbox", outboxCols)) // history: before the OID was read
+	decode(t, d, commitMsg(0x80, 0x90, time.Now()))
+	decode(t, d, beginMsg(0x200, time.Now(), 2))
+	decode(t, d, relationMsg(5, "public", "outbox", outboxCols))
+	decode(t, d, relationMsg(9, "public", "other", outboxCols))
+	decode(t, d, commitMsg(0x200, 0x210, time.Now()))
+	decode(t, d, beginMsg(0x300, time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC), 3))
+	_, err := d.Decode(relationMsg(7, "public", "outbox", outboxCols))
+	if !errors.Is(err, ErrTableReplaced) || !strings.Contains(err.Error(), "relation OID 5 when jetbox started, 7 in transaction 0/300") ||
+		!strings.Contains(err.Error(), "committed before 2026-01-02T03:04:05Z") {
+		t.Fatalf("got %v", err)
+	}
+	// Without an identity nothing is checked.
+	d = newTestDecoder()
+	decode(t, d, beginMsg(0x300, time.Now(), 3))
+	decode(t, d, relationMsg(7, "public", "outbox", outboxCols))
 }

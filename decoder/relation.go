@@ -105,7 +105,7 @@ func (d *Decoder) newRelation(m *pglogrepl.RelationMessage) *relation {
 // Reasons a row cannot be published. Each is one NATS subject token: with
 // dead-lettering on, the dead letter goes to <dead-letter subject>.<reason>.
 const (
-	ReasonBadID          = "bad-id"           // NULL, empty or with control characters
+	ReasonBadID          = "bad-id"           // NULL, empty, with control characters or holding "Nats-"
 	ReasonNullColumn     = "null-column"      // aggregate_type, aggregate_id or event_type is NULL
 	ReasonBadAggregateID = "bad-aggregate-id" // holds control characters (it is sent as a header)
 	ReasonBadSubject     = "bad-subject"      // aggregate_type or event_type is not one subject token
@@ -194,6 +194,10 @@ func (r *relation) check(ev *Event, cols []column, cfg *Config) *InvalidEventErr
 	}
 	if ev.ID == "" || !printable(ev.ID) {
 		return invalid(ReasonBadID, "id", fmt.Sprintf("id %q is empty or holds control characters", ev.ID), "ids become Nats-Msg-Id: use uuid ids")
+	}
+	if mentionsNATSHeader(ev.ID) {
+		return invalid(ReasonBadID, "id", fmt.Sprintf("id %q holds \"Nats-\"", ev.ID),
+			"ids become Nats-Msg-Id, and NATS servers before 2.11 find their own headers by text search: it could hide the order guard or the next message's Nats-Msg-Id; use uuid ids")
 	}
 	for _, c := range []struct {
 		i    int

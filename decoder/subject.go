@@ -105,6 +105,9 @@ func parseHeaders(src []byte) ([]Header, error) {
 		if reservedHeader(k) {
 			return nil, fmt.Errorf("header %q is reserved (Nats-* and Jetbox-* are set by jetbox and JetStream)", k)
 		}
+		if mentionsNATSHeader(k) {
+			return nil, fmt.Errorf("header name %q holds \"Nats-\": NATS servers before 2.11 find their headers by text search, so it could hide Nats-Msg-Id (no dedup) or the order guard; rename it", k)
+		}
 		if !printable(v) {
 			return nil, fmt.Errorf("header %q value holds control characters (CR, LF...)", k)
 		}
@@ -131,9 +134,11 @@ func jsonKind(raw json.RawMessage) string {
 	}
 }
 
-// mentionsNATSHeader reports whether a header value holds "Nats-": nats-server
-// 2.10 looks its headers up with a plain text search over the header block,
-// so such a value placed before the real header hides it.
+// mentionsNATSHeader reports whether a header name or value holds "Nats-":
+// nats-server 2.10 looks its headers (all named Nats-...) up with a plain,
+// case-sensitive text search over the header block, so such a text placed
+// before the real header hides it (see TestServerHeaderSearch in sink; other
+// spellings, such as nats-, do not).
 func mentionsNATSHeader(v string) bool { return strings.Contains(v, "Nats-") }
 
 func validHeaderName(k string) error {

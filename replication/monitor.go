@@ -148,19 +148,30 @@ func (m *monitor) poll(ctx context.Context, ensure func() bool, conn **pgx.Conn)
 func (m *monitor) checkPublication(ctx context.Context, conn *pgx.Conn) {
 	cfg := m.s.cfg
 	var pubExists, published, inserts, tableExists bool
+	var oid uint32
 	err := conn.QueryRow(ctx, `SELECT
 		EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1),
 		EXISTS (SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3),
 		coalesce((SELECT pubinsert FROM pg_publication WHERE pubname = $1), false),
-		EXISTS (SELECT 1 FROM pg_tables WHERE schemaname = $2 AND tablename = $3)`,
-		cfg.Publication, cfg.Decoder.Schema, cfg.Decoder.Table).Scan(&pubExists, &published, &inserts, &tableExists)
+		EXISTS (SELECT 1 FROM pg_tables WHERE schemaname = $2 AND tablename = $3),
+		coalesce(to_regclass($4)::oid, 0)`,
+		cfg.Publication, cfg.Decoder.Schema, cfg.Decoder.Table, cfg.quotedTable()).Scan(&pubExists, &published, &inserts, &tableExists, &oid)
 	if err != nil {
 		m.fail(fmt.Errorf("monitor publication query: %w", err))
 		return
 	}
 	since := m.published
-	if pubExists && published && inserts {
+	start := m.s.startOID.Load()
+	replaced := start != 0 && oid != 0 && oid != start
+	if pubExists && published && inserts && !replaced {
 		m.published = time.Now()
+		return
+	}
+	if replaced && published && inserts {
+		select {
+		case m.s.fatal <- &PermanentError{Err: m.s.replacedError(start, oid, "while jetbox ran, after "+since.UTC().Format(time.RFC3339))}:
+		default:
+		}
 		return
 	}
 	create := fmt.Sprintf("CREATE PUBLICATION %s FOR TABLE %s WITH (publish = 'insert')", quoteIdent(cfg.Publication), cfg.quotedTable())

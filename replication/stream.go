@@ -14,6 +14,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -92,6 +93,11 @@ type Streamer struct {
 	state      atomic.Value  // string, one of metrics.State*
 	mon        *monitor
 	fatal      chan error // the monitor found a reason to stop
+	// outbox is which table the outbox is, read at the first session (only
+	// the Run goroutine touches it); startOID is its OID, for the monitor
+	// (0 until then).
+	outbox   decoder.OutboxIdentity
+	startOID atomic.Uint32
 }
 
 // New returns a streamer for the database at connString.
@@ -226,7 +232,7 @@ type permanent interface{ Permanent() bool }
 func IsPermanent(err error) bool {
 	var pe *PermanentError
 	var ie *decoder.InvalidEventError
-	if errors.As(err, &pe) || errors.As(err, &ie) || errors.Is(err, decoder.ErrProtocol) {
+	if errors.As(err, &pe) || errors.As(err, &ie) || errors.Is(err, decoder.ErrProtocol) || errors.Is(err, decoder.ErrTableReplaced) {
 		return true
 	}
 	var p permanent
@@ -272,6 +278,9 @@ func (s *Streamer) session(ctx context.Context) (err error) {
 	if err != nil {
 		return err
 	}
+	if err := s.checkOutboxOID(sctx, conn); err != nil {
+		return err
+	}
 	sys, err := pglogrepl.IdentifySystem(sctx, conn)
 	if err != nil {
 		return fmt.Errorf("identify system: %w", err)
@@ -305,9 +314,50 @@ func (s *Streamer) session(ctx context.Context) (err error) {
 		sess:    sess,
 		source:  source,
 	}
+	l.dec.SetOutbox(s.outbox)
 	s.sent.Store(uint64(start))
 	err = l.run(ctx)
 	return l.finish(ctx, err)
+}
+
+// checkOutboxOID reads the outbox table's relation OID over the replication
+// connection. The first session records it, with the WAL position it was
+// read at, for the decoders and the monitor; a later session that finds
+// another OID stops jetbox: the table was dropped and recreated meanwhile.
+func (s *Streamer) checkOutboxOID(ctx context.Context, conn *pgconn.PgConn) error {
+	table := s.cfg.quotedTable()
+	res, err := conn.Exec(ctx, "SELECT coalesce(to_regclass("+quoteLiteral(table)+")::oid, 0)::text, pg_current_wal_lsn()::text").ReadAll()
+	if err != nil {
+		return fmt.Errorf("read the relation OID of %s: %w", s.cfg.qualifiedTable(), err)
+	}
+	if len(res) != 1 || len(res[0].Rows) != 1 {
+		return fmt.Errorf("read the relation OID of %s: no row", s.cfg.qualifiedTable())
+	}
+	oid, err := strconv.ParseUint(string(res[0].Rows[0][0]), 10, 32)
+	if err != nil {
+		return fmt.Errorf("parse the relation OID of %s: %w", s.cfg.qualifiedTable(), err)
+	}
+	lsn, err := pglogrepl.ParseLSN(string(res[0].Rows[0][1]))
+	if err != nil {
+		return fmt.Errorf("parse pg_current_wal_lsn: %w", err)
+	}
+	switch first := s.outbox.OID; {
+	case oid == 0: // dropped: the monitor and the publication check report it
+	case first == 0:
+		s.outbox = decoder.OutboxIdentity{OID: uint32(oid), LSN: lsn}
+		s.startOID.Store(uint32(oid))
+	case uint32(oid) != first:
+		return &PermanentError{Err: s.replacedError(first, uint32(oid), "while jetbox was reconnecting")}
+	}
+	return nil
+}
+
+// replacedError explains an outbox table dropped and recreated under jetbox.
+func (s *Streamer) replacedError(was, now uint32, when string) error {
+	t := s.cfg.qualifiedTable()
+	return fmt.Errorf("%w: table %s was dropped and recreated %s (relation OID %d at start, now %d): Postgres streams a new table only from the moment it is added to publication %q, so rows inserted into it before then were never streamed, and jetbox stops rather than lose them silently; "+
+		"fix: re-insert, with their ids, the rows of %s committed before it was added to the publication again (the stream dedups those it has), then restart jetbox",
+		decoder.ErrTableReplaced, t, when, was, now, s.cfg.Publication, t)
 }
 
 // slotPosition reads the slot's confirmed_flush_lsn over the replication

@@ -2,16 +2,19 @@ package main
 
 import (
 	"errors"
+	"regexp"
 	"strings"
 	"testing"
 
-	"github.com/alecthomas/kong"
 	"github.com/jetbox-dev/jetbox/decoder"
 )
 
-// FuzzConfig: any command line (one argument per line) either parses into
-// a configuration whose values hold their invariants, or fails with errors
-// that each name a flag and its fix; never a panic.
+// FuzzConfig: any command line (one argument per line; a line
+// JETBOX_NAME=value sets that variable instead) either parses into a
+// configuration whose values hold their invariants, or fails with exit 2 and
+// errors that each name a flag and its fix, every one of them printed; never
+// a panic. One execution is pure: the parser is built once per process
+// (kong resets every value on each Parse) and nothing dials anything.
 func FuzzConfig(f *testing.F) {
 	for _, seed := range []string{
 		"--postgres-url=postgres://u@127.0.0.1/db",
@@ -21,29 +24,54 @@ func FuzzConfig(f *testing.F) {
 		"--postgres-url=postgres://u@h/db\n--subject-prefix=a.*\n--max-in-flight-bytes=1GiB\n--publish-timeout=91s",
 		"--postgres-url=postgres://u@h/db\n--nats-url=embedded\n--nats-listen=nope",
 		"--postgres-url=postgres://u@h/db\n--on-invalid=dead-letter\n--dead-letter-subject=outbox.order",
+		"JETBOX_POSTGRES_URL=postgres://u@h/db\nJETBOX_DELIVERY=exactly-once\n--atomic-transactions=true",
+		"JETBOX_MONITOR_INTERVAL=1ms\nJETBOX_ON_INVALID=dead-letter\n--dead-letter-subject=x",
+		"--help",
 	} {
 		f.Add(seed)
 	}
+	var c cli
+	exitCode := -1
+	var stderr strings.Builder
+	parser, err := newParser(&c, discard{}, &stderr, &exitCode)
+	if err != nil {
+		f.Fatal(err)
+	}
 	f.Fuzz(func(t *testing.T, lines string) {
-		var c cli
-		parser, err := kong.New(&c, kong.Exit(func(int) {}), kong.Writers(discard{}, discard{}))
-		if err != nil {
-			t.Fatal(err)
+		args := []string{"run"}
+		for _, line := range strings.Split(lines, "\n") {
+			if name, value, ok := strings.Cut(line, "="); ok && envVar.MatchString(name) && !strings.ContainsRune(value, 0) {
+				t.Setenv(name, value)
+				continue
+			}
+			args = append(args, line)
 		}
-		args := append([]string{"run"}, strings.Split(lines, "\n")...)
-		if _, err := parser.Parse(args); err != nil {
+		stderr.Reset()
+		kctx, code := parseCommand(parser, &exitCode, args, &stderr)
+		if kctx == nil {
+			if code != exitConfig && code != exitOK { // exitOK: --help
+				t.Fatalf("parse ended with exit %d", code)
+			}
 			return
 		}
-		cfg, err := c.Run.Config()
-		if err != nil {
+		cfg, code := runConfig(&c.Run, &stderr)
+		if code != exitOK {
+			if code != exitConfig {
+				t.Fatalf("invalid configuration ends with exit %d, want %d", code, exitConfig)
+			}
+			_, err := c.Run.Config()
 			var joined interface{ Unwrap() []error }
 			if !errors.As(err, &joined) {
 				t.Fatalf("not a list of problems: %v", err)
 			}
+			printed := stderr.String()
 			for _, e := range joined.Unwrap() {
 				var ce *ConfigError
 				if !errors.As(e, &ce) || ce.Flag == "" || ce.Fix == "" {
 					t.Fatalf("problem without flag or fix: %v", e)
+				}
+				if !strings.Contains(printed, e.Error()) {
+					t.Fatalf("problem not printed: %v\n%s", e, printed)
 				}
 			}
 			return
@@ -60,6 +88,9 @@ func FuzzConfig(f *testing.F) {
 		}
 	})
 }
+
+// envVar is a line of a FuzzConfig input that sets a variable.
+var envVar = regexp.MustCompile(`^JETBOX_[A-Z0-9_]+$`)
 
 type discard struct{}
 

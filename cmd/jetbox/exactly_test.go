@@ -60,14 +60,44 @@ func TestExactlyOnceBeyondDuplicateWindow(t *testing.T) {
 				if len(got) <= len(want) {
 					t.Fatal("the replay stored no copies in dedup mode: the scenario did not reach past the window")
 				}
+				// The README's per-mode claim: here the position goes back.
+				if n := positionBacksteps(t, testenv.ReadStream(t, f.js, "OUTBOX", true)); n == 0 {
+					t.Fatal("dedup mode stored copies, yet Jetbox-Commit-LSN + Jetbox-Tx-Index never went back")
+				} else {
+					t.Logf("dedup mode: the position went back at %d messages", n)
+				}
 				return
 			}
 			f.waitCount(len(want), 2*time.Minute)
 			got = f.assertStream(want)
-			t.Logf("exactly-once: %d rows, %d messages, each once in commit order", len(want), len(got))
+			if n := positionBacksteps(t, testenv.ReadStream(t, f.js, "OUTBOX", true)); n != 0 {
+				t.Fatalf("exactly-once: Jetbox-Commit-LSN + Jetbox-Tx-Index went back at %d messages", n)
+			}
+			t.Logf("exactly-once: %d rows, %d messages, each once in commit order, positions strictly increasing", len(want), len(got))
 			p.stop()
 		})
 	}
+}
+
+// positionBacksteps counts the messages whose Jetbox-Commit-LSN +
+// Jetbox-Tx-Index is not after the highest seen before them.
+func positionBacksteps(t *testing.T, msgs []testenv.StreamMsg) int {
+	t.Helper()
+	var maxLSN pglogrepl.LSN
+	maxIdx, n := -1, 0
+	for _, m := range msgs {
+		lsn, err := pglogrepl.ParseLSN(m.Header.Get("Jetbox-Commit-LSN"))
+		must(t, err)
+		var idx int
+		_, err = fmt.Sscan(m.Header.Get("Jetbox-Tx-Index"), &idx)
+		must(t, err)
+		if lsn < maxLSN || (lsn == maxLSN && idx <= maxIdx) {
+			n++
+			continue
+		}
+		maxLSN, maxIdx = lsn, idx
+	}
+	return n
 }
 
 // waitAtLeast waits until the stream holds n messages or more.

@@ -51,6 +51,9 @@ func TestDeadLetters(t *testing.T) {
 		{row("'r-headers-array'", "'order'", "'1'", "'E'", "'{}'", `'[1]'`), decoder.ReasonBadHeaders, "r-headers-array"},
 		{row("'r-headers-number'", "'order'", "'1'", "'E'", "'{}'", `'{"n": 1}'`), decoder.ReasonBadHeaders, "r-headers-number"},
 		{row("'r-headers-reserved'", "'order'", "'1'", "'E'", "'{}'", `'{"Nats-Msg-Id": "x"}'`), decoder.ReasonBadHeaders, "r-headers-reserved"},
+		// nats-server 2.10 finds its headers by text search (TestServerHeaderSearch in sink).
+		{row("'r-header-name-nats'", "'order'", "'1'", "'E'", "'{}'", `'{"X-Nats-Msg-Id": "x"}'`), decoder.ReasonBadHeaders, "r-header-name-nats"},
+		{row("'r-Nats-Expected-Last-Sequence'", "'order'", "'1'", "'E'", "'{}'", "NULL"), decoder.ReasonBadID, "r-Nats_Expected-Last-Sequence"}, // Jetbox-Row-Id escapes it
 		{row("'r-big'", "'order'", "'1'", "'E'", `jsonb_build_object('pad', repeat('x', 20000))`, "NULL"), decoder.ReasonTooLarge, "r-big"},
 		{good("good-2"), "", "good-2"},
 		{good("good-1"), decoder.ReasonDuplicateID, "good-1"}, // repeats good-1, two rows back

@@ -51,23 +51,14 @@ func main() {
 func realMain(args []string, stdout, stderr io.Writer) int {
 	var c cli
 	exitCode := -1
-	parser, err := kong.New(&c,
-		kong.Name("jetbox"),
-		kong.Description("Forward a PostgreSQL transactional outbox to NATS JetStream: every committed row once, in commit order."),
-		kong.Writers(stdout, stderr),
-		kong.Exit(func(code int) { exitCode = code }),
-	)
+	parser, err := newParser(&c, stdout, stderr, &exitCode)
 	if err != nil {
 		fmt.Fprintln(stderr, "jetbox:", err)
 		return exitFailure
 	}
-	kctx, err := parser.Parse(args)
-	if exitCode >= 0 { // --help
-		return exitCode
-	}
-	if err != nil {
-		fmt.Fprintf(stderr, "jetbox: %v\nRun 'jetbox --help' for the flags.\n", err)
-		return exitConfig
+	kctx, code := parseCommand(parser, &exitCode, args, stderr)
+	if kctx == nil {
+		return code
 	}
 	switch kctx.Command() {
 	case "healthcheck":
@@ -88,10 +79,9 @@ func realMain(args []string, stdout, stderr io.Writer) int {
 		defer stop()
 		return c.Demo.run(ctx, stdout, stderr)
 	case "run":
-		cfg, err := c.Run.Config()
-		if err != nil {
-			printProblems(stderr, "configuration", err)
-			return exitConfig
+		cfg, code := runConfig(&c.Run, stderr)
+		if code != exitOK {
+			return code
 		}
 		ctx, stop := signalContext()
 		defer stop()
@@ -99,6 +89,44 @@ func realMain(args []string, stdout, stderr io.Writer) int {
 	}
 	fmt.Fprintln(stderr, "jetbox: unknown command", kctx.Command())
 	return exitConfig
+}
+
+// newParser returns the command-line parser for c; kong's exit requests
+// (--help) are stored in *exitCode instead of exiting.
+func newParser(c *cli, stdout, stderr io.Writer, exitCode *int) (*kong.Kong, error) {
+	return kong.New(c,
+		kong.Name("jetbox"),
+		kong.Description("Forward a PostgreSQL transactional outbox to NATS JetStream: every committed row once, in commit order."),
+		kong.Writers(stdout, stderr),
+		kong.Exit(func(code int) { *exitCode = code }),
+	)
+}
+
+// parseCommand parses args (flags and JETBOX_* variables) with a parser from
+// newParser. A nil context comes with the exit code: --help, or bad flags
+// (reported on stderr).
+func parseCommand(parser *kong.Kong, exitCode *int, args []string, stderr io.Writer) (*kong.Context, int) {
+	*exitCode = -1
+	kctx, err := parser.Parse(args)
+	if *exitCode >= 0 { // --help
+		return nil, *exitCode
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "jetbox: %v\nRun 'jetbox --help' for the flags.\n", err)
+		return nil, exitConfig
+	}
+	return kctx, exitOK
+}
+
+// runConfig validates the flags of `jetbox run`; on problems it prints them
+// all and returns exitConfig.
+func runConfig(f *RunFlags, stderr io.Writer) (Config, int) {
+	cfg, err := f.Config()
+	if err != nil {
+		printProblems(stderr, "configuration", err)
+		return Config{}, exitConfig
+	}
+	return cfg, exitOK
 }
 
 // printProblems prints each joined error on its own line.
