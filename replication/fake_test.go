@@ -10,6 +10,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -190,6 +191,8 @@ func (f *fakeWAL) serve(n int, conn net.Conn) error {
 				lsn := f.confirmed
 				f.mu.Unlock()
 				rows(be, []string{"coalesce"}, []string{lsn.String()})
+			case strings.HasPrefix(m.String, "SELECT coalesce(to_regclass("):
+				rows(be, []string{"oid", "lsn"}, []string{strconv.Itoa(outboxRelID), "0/1000000"})
 			case m.String == "IDENTIFY_SYSTEM":
 				rows(be, []string{"systemid", "timeline", "xlogpos", "dbname"}, []string{"7300000000000000001", "1", "0/9000000", "app"})
 			case strings.HasPrefix(m.String, "START_REPLICATION SLOT "):
