@@ -26,7 +26,7 @@ func FuzzConfig(f *testing.F) {
 	}
 	f.Fuzz(func(t *testing.T, lines string) {
 		var c cli
-		parser, err := kong.New(&c, kong.Exit(func(int) {}), kong.Writers(discard{}, discard{}))
+		parser, err := kong.New(&c, kong.Exit(func(int) {}), kong.Writers(discard{}, discard{}), kong.Vars(flagVars))
 		if err != nil {
 			t.Fatal(err)
 		}

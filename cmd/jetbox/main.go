@@ -56,6 +56,7 @@ func realMain(args []string, stdout, stderr io.Writer) int {
 		kong.Description("Forward a PostgreSQL transactional outbox to NATS JetStream: every committed row once, in commit order."),
 		kong.Writers(stdout, stderr),
 		kong.Exit(func(code int) { exitCode = code }),
+		kong.Vars(flagVars),
 	)
 	if err != nil {
 		fmt.Fprintln(stderr, "jetbox:", err)
