@@ -13,8 +13,9 @@ import (
 // Check inspects the NATS side without changing anything: JetStream enabled,
 // the stream (or that it can be created), its subjects, duplicate window
 // (warned when shorter than maxOutage), message size limits, storage and
-// replicas, and with AtomicTransactions whether the server and the stream
-// take atomic batches, and how large.
+// replicas, in exactly-once mode whether the stream supports it (see
+// checkExactlyOnce), and with AtomicTransactions whether the server and the
+// stream take atomic batches, and how large.
 func (p *Publisher) Check(ctx context.Context, maxOutage time.Duration) []check.Finding {
 	var l check.List
 	l.Add(check.Info, "nats.server", fmt.Sprintf("connected to %s (server %s), max_payload %d bytes",
@@ -32,7 +33,7 @@ func (p *Publisher) Check(ctx context.Context, maxOutage time.Duration) []check.
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
 		l.Add(check.Create, "nats.stream", fmt.Sprintf("stream %q is missing: jetbox run creates it (subjects %q, file storage, duplicate window %s, 1 replica)",
 			p.cfg.Stream, want, p.cfg.DuplicateWindow), "")
-		if maxOutage > p.cfg.DuplicateWindow {
+		if maxOutage > p.cfg.DuplicateWindow && !p.cfg.ExactlyOnce {
 			l.Add(check.Warning, "nats.duplicate_window", fmt.Sprintf("--duplicate-window %s is shorter than --max-outage %s: a replay after a longer outage stores copies", p.cfg.DuplicateWindow, maxOutage),
 				"raise --duplicate-window before the stream is created")
 		}
@@ -60,7 +61,9 @@ func (p *Publisher) Check(ctx context.Context, maxOutage time.Duration) []check.
 				fmt.Sprintf("add %q to the stream's subjects, or change --dead-letter-subject", dl))
 		}
 	}
-	if cfg.Duplicates < maxOutage {
+	if p.cfg.ExactlyOnce {
+		l.Add(check.Info, "nats.duplicate_window", fmt.Sprintf("duplicate window %s (exactly-once skips replays by position, whatever the window)", cfg.Duplicates), "")
+	} else if cfg.Duplicates < maxOutage {
 		l.Add(check.Warning, "nats.duplicate_window", fmt.Sprintf("stream duplicate window %s is shorter than --max-outage %s: a replay after a longer outage (or a Postgres crash) stores copies", cfg.Duplicates, maxOutage),
 			fmt.Sprintf("nats stream edit %s --dupe-window %s", p.cfg.Stream, maxOutage))
 	} else {
@@ -77,27 +80,12 @@ func (p *Publisher) Check(ctx context.Context, maxOutage time.Duration) []check.
 			"use an R3 stream in production (or sync_interval: always on the server)")
 	}
 	if p.cfg.ExactlyOnce {
-		st := s.CachedInfo().State
-		switch {
-		case cfg.Retention != jetstream.LimitsPolicy || cfg.MaxAge > 0 || cfg.MaxMsgs > 0 || cfg.MaxBytes > 0:
-			l.Add(check.Warning, "nats.exactly_once", "exactly-once mode resumes from the stream's last message: retention other than limits, or a max age/msgs/bytes limit, may remove it",
-				"keep the last message: limits retention with bounds far above an outage's backlog")
-		}
-		if st.LastSeq > 0 {
-			if m, err := s.GetMsg(ctx, st.LastSeq); err != nil {
-				l.Add(check.Error, "nats.exactly_once", fmt.Sprintf("cannot read the stream's last message (seq %d): %v", st.LastSeq, err), "keep the last message in the stream (retention)")
-			} else if _, ok := positionOf(m.Header); !ok {
-				l.Add(check.Error, "nats.exactly_once", fmt.Sprintf("the stream's last message (seq %d, %s) was not written by jetbox: exactly-once mode needs jetbox to be its only writer", st.LastSeq, m.Subject),
-					"stop the other publisher, or use --delivery=dedup")
-			} else {
-				l.Add(check.Info, "nats.exactly_once", fmt.Sprintf("exactly-once: resumes after seq %d", st.LastSeq), "")
-			}
-		}
+		p.checkExactlyOnce(ctx, &l, s, maxOutage)
 	}
 	if p.cfg.AtomicTransactions {
 		p.checkAtomic(ctx, &l, true, cfg.AllowAtomicPublish)
 	}
-	if cfg.Retention != jetstream.LimitsPolicy {
+	if cfg.Retention != jetstream.LimitsPolicy && !p.cfg.ExactlyOnce {
 		l.Add(check.Warning, "nats.retention", "retention is not limits: removed messages take their dedup ids with them", "prefer limits retention for the outbox stream")
 	}
 	return l
@@ -132,4 +120,71 @@ func (p *Publisher) checkAtomic(ctx context.Context, l *check.List, exists, stre
 		return
 	}
 	l.Add(check.Info, "nats.atomic", fmt.Sprintf("atomic batches of up to %d messages: a transaction of up to %d rows is stored whole or not at all; larger ones in atomic chunks, the last message marked %s: true", n, n, HeaderTxLast), "")
+}
+
+// SharedStreamFix is the fix for a stream that cannot support exactly-once
+// delivery: a stream of jetbox's own, or dedup mode for a shared one.
+const SharedStreamFix = "give jetbox a stream of its own (limits retention, no max age, only jetbox's subjects; jetbox creates one if --stream names a missing stream), " +
+	"or run with --delivery=dedup, the mode for a stream shared with other publishers or consumed as a work queue"
+
+// checkExactlyOnce reports what keeps the stream from supporting
+// exactly-once delivery, which resumes from the stream's last message and
+// needs jetbox to be the stream's only writer. Errors: retention that lets
+// consumers remove messages (work queue, interest), sources (other
+// writers), a last message jetbox did not write or cannot read, a max age
+// below maxOutage. Warnings: a longer max age (a quiet spell longer than it
+// expires the last message), subjects beyond jetbox's. Message and byte
+// limits with discard old never remove the newest message, so they are fine.
+func (p *Publisher) checkExactlyOnce(ctx context.Context, l *check.List, s jetstream.Stream, maxOutage time.Duration) {
+	const name = "nats.exactly_once"
+	info := s.CachedInfo()
+	cfg, st := info.Config, info.State
+	problems := 0
+	refuse := func(what string) {
+		problems++
+		l.Add(check.Error, name, fmt.Sprintf("stream %q cannot support exactly-once delivery (the default): %s", p.cfg.Stream, what), SharedStreamFix)
+	}
+	if cfg.Retention == jetstream.WorkQueuePolicy || cfg.Retention == jetstream.InterestPolicy {
+		refuse(fmt.Sprintf("%s retention removes consumed messages, and with them the stream's last message, where exactly-once resumes", cfg.Retention))
+	}
+	if len(cfg.Sources) > 0 {
+		var from []string
+		for _, src := range cfg.Sources {
+			from = append(from, src.Name)
+		}
+		refuse(fmt.Sprintf("it sources messages from %q: jetbox would not be its only writer", from))
+	}
+	if cfg.MaxAge > 0 {
+		what := fmt.Sprintf("max age %s: when no outbox row commits for longer, the stream's last message, where exactly-once resumes, expires and jetbox's next start or reconnect stops (exit 1)", cfg.MaxAge)
+		if cfg.MaxAge < maxOutage {
+			refuse(what + fmt.Sprintf(", and --max-outage %s is longer", maxOutage))
+		} else {
+			l.Add(check.Warning, name, fmt.Sprintf("stream %q has %s", p.cfg.Stream, what),
+				fmt.Sprintf("nats stream edit %s --max-age 0 (or keep it far above the longest quiet spell plus outage), or use --delivery=dedup", p.cfg.Stream))
+		}
+	}
+	ours := []string{p.cfg.SubjectPrefix + ".>"}
+	if p.cfg.DeadLetterSubject != "" {
+		ours = append(ours, p.cfg.DeadLetterSubject+".>")
+	}
+	var extra []string
+	for _, subj := range cfg.Subjects {
+		if !Captures(ours, subj) {
+			extra = append(extra, subj)
+		}
+	}
+	if len(extra) > 0 {
+		l.Add(check.Warning, name, fmt.Sprintf("stream %q also captures %q: a message another publisher stores there stops exactly-once delivery (exit 1)", p.cfg.Stream, extra), SharedStreamFix)
+	}
+	if st.LastSeq > 0 {
+		if m, err := s.GetMsg(ctx, st.LastSeq); err != nil {
+			refuse(fmt.Sprintf("cannot read the stream's last message (seq %d), where exactly-once resumes: %v", st.LastSeq, err))
+		} else if _, ok := positionOf(m.Header); !ok {
+			refuse(fmt.Sprintf("the stream's last message (seq %d, subject %s) was not written by jetbox: another publisher writes the stream", st.LastSeq, m.Subject))
+		} else if problems == 0 {
+			l.Add(check.Info, name, fmt.Sprintf("exactly-once: resumes after seq %d", st.LastSeq), "")
+		}
+	} else if problems == 0 {
+		l.Add(check.Info, name, "exactly-once: the stream is empty, jetbox starts it", "")
+	}
 }

@@ -335,7 +335,7 @@ func TestAtomicBigTransaction(t *testing.T) {
 // reports the batch size.
 func TestAtomicConfigAndSetup(t *testing.T) {
 	var out, errOut bytes.Buffer
-	if code := realMain([]string{"run", "--postgres-url=postgres://x@127.0.0.1/db", "--atomic-transactions=true"}, &out, &errOut); code != exitConfig ||
+	if code := realMain([]string{"run", "--postgres-url=postgres://x@127.0.0.1/db", "--delivery=dedup", "--atomic-transactions=true"}, &out, &errOut); code != exitConfig ||
 		!strings.Contains(errOut.String(), "--atomic-transactions (JETBOX_ATOMIC_TRANSACTIONS)") || !strings.Contains(errOut.String(), "needs --delivery=exactly-once") {
 		t.Fatalf("without exactly-once: exit %d:\n%s", code, errOut.String())
 	}

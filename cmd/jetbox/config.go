@@ -19,6 +19,14 @@ import (
 	"github.com/rs/zerolog"
 )
 
+// DefaultDelivery is the default of --delivery: jetbox owns the stream, and
+// replays are skipped by position whatever the duplicate window. Shared
+// streams need --delivery=dedup (see sink.Publisher.Check).
+const DefaultDelivery = "exactly-once"
+
+// flagVars are the variables kong interpolates into the flag tags.
+var flagVars = map[string]string{"default_delivery": DefaultDelivery}
+
 // RunFlags are the flags of `jetbox run`. Every flag has a JETBOX_* variable.
 // Values are taken as strings and validated together by Config, so one run
 // reports every mistake at once.
@@ -54,7 +62,7 @@ type RunFlags struct {
 	MaxInFlight      string `name:"max-in-flight" env:"JETBOX_MAX_IN_FLIGHT" default:"1024" help:"Events published and not yet acked."`
 	MaxInFlightBytes string `name:"max-in-flight-bytes" env:"JETBOX_MAX_IN_FLIGHT_BYTES" default:"16MiB" help:"Payload bytes published and not yet acked."`
 	PublishTimeout   string `name:"publish-timeout" env:"JETBOX_PUBLISH_TIMEOUT" default:"30s" help:"Wait for one PubAck before the outcome counts as unknown."`
-	Delivery         string `name:"delivery" env:"JETBOX_DELIVERY" default:"dedup" help:"dedup: Nats-Msg-Id dedup within the duplicate window; exactly-once: jetbox is the stream's only writer, publishes expect the last sequence and replays are skipped by position, whatever the window."`
+	Delivery         string `name:"delivery" env:"JETBOX_DELIVERY" default:"${default_delivery}" help:"exactly-once: jetbox is the stream's only writer (a stream of its own, limits retention), publishes expect the last sequence and replays are skipped by position, whatever the window; dedup: for streams shared with other publishers, Nats-Msg-Id dedup within the duplicate window."`
 	AtomicTx         string `name:"atomic-transactions" env:"JETBOX_ATOMIC_TRANSACTIONS" default:"false" help:"Store each transaction as JetStream atomic batches, so consumers never see part of one (up to the server's batch limit, 1000 rows by default; larger ones arrive in atomic chunks, the last message has Jetbox-Tx-Last: true). Needs --delivery=exactly-once, nats-server 2.12+ and a stream that allows atomic publish."`
 	OnInvalid        string `name:"on-invalid" env:"JETBOX_ON_INVALID" default:"stop" help:"A row that cannot be published: stop (exit 1, slot kept before it) or dead-letter (publish it to --dead-letter-subject.<reason> and go on)."`
 	DeadLetterSubj   string `name:"dead-letter-subject" env:"JETBOX_DEAD_LETTER_SUBJECT" help:"With --on-invalid=dead-letter: subject prefix for dead letters, captured by the stream. Default <subject-prefix>._dlq." placeholder:"SUBJECT"`
@@ -255,7 +263,7 @@ func (f *RunFlags) Config() (Config, error) {
 	if err != nil {
 		bad("order-guard", f.OrderGuard, "not a boolean", "use true or false")
 	} else if !orderGuard && f.Delivery == "exactly-once" {
-		bad("order-guard", f.OrderGuard, "conflicts with --delivery=exactly-once, which always guards the order", "drop --order-guard=false, or use --delivery=dedup")
+		bad("order-guard", f.OrderGuard, "conflicts with --delivery=exactly-once (the default), which always guards the order", "drop --order-guard=false, or add --delivery=dedup (for a stream shared with other publishers)")
 	}
 	atomicTx, err := strconv.ParseBool(f.AtomicTx)
 	if err != nil {

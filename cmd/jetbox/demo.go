@@ -114,7 +114,7 @@ func (d *demoCmd) run(ctx context.Context, stdout, stderr io.Writer) int {
 	var c cli
 	{
 		var k *kong.Kong
-		if k, err = kong.New(&c, kong.Name("jetbox")); err == nil {
+		if k, err = kong.New(&c, kong.Name("jetbox"), kong.Vars(flagVars)); err == nil {
 			_, err = k.Parse([]string{"run", "--postgres-url=" + cluster.DSN, "--nats-url=" + natsURL,
 				"--http-addr=" + httpAddr, "--duplicate-window=10m", "--log-format=console", "--log-level=warn"})
 		}

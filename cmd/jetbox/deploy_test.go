@@ -127,6 +127,9 @@ func TestComposeFile(t *testing.T) {
 	if !strings.Contains(string(initSQL), strings.TrimPrefix(outboxDDL, "CREATE TABLE public.outbox (")) {
 		t.Error("deploy/compose/init.sql does not create the README's outbox table")
 	}
+	if d := jb.Environment["JETBOX_DELIVERY"]; d != DefaultDelivery {
+		t.Errorf("compose's jetbox runs with JETBOX_DELIVERY %q, want the default %q (jetbox owns the stream it creates)", d, DefaultDelivery)
+	}
 	if _, ok := c.Services["producer"]; !ok {
 		t.Error("no sample producer service")
 	}
@@ -204,6 +207,9 @@ func TestDeployFiles(t *testing.T) {
 			}
 			if _, ok := env["JETBOX_POSTGRES_URL"]; !ok {
 				t.Errorf("%s: no JETBOX_POSTGRES_URL", f)
+			}
+			if d := env["JETBOX_DELIVERY"]; d != DefaultDelivery {
+				t.Errorf("%s: JETBOX_DELIVERY %q, want the default %q, spelled out", f, d, DefaultDelivery)
 			}
 		}
 		if !found {

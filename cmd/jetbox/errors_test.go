@@ -30,9 +30,9 @@ func TestConfigProblemsReportedTogether(t *testing.T) {
 	}
 	// Conflicting options, each named with its fix.
 	errOut.Reset()
-	code = realMain([]string{"run", "--postgres-url=postgres://x@127.0.0.1/db", "--delivery=exactly-once", "--order-guard=false",
+	code = realMain([]string{"run", "--postgres-url=postgres://x@127.0.0.1/db", "--order-guard=false",
 		"--dead-letter-subject=outbox._dlq"}, &out, &errOut)
-	for _, want := range []string{"conflicts with --delivery=exactly-once", "set while --on-invalid=stop"} {
+	for _, want := range []string{"conflicts with --delivery=exactly-once (the default)", "add --delivery=dedup", "set while --on-invalid=stop"} {
 		if code != exitConfig || !strings.Contains(errOut.String(), want) {
 			t.Errorf("exit %d, output lacks %q:\n%s", code, want, errOut.String())
 		}

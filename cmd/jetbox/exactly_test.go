@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"fmt"
 	"strings"
 	"testing"
@@ -9,6 +10,7 @@ import (
 	"github.com/jackc/pglogrepl"
 	"github.com/jetbox-dev/jetbox/internal/testenv"
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 )
 
 const exactlyOnce = "JETBOX_DELIVERY=exactly-once"
@@ -112,12 +114,6 @@ func (f *fixture) waitAtLeast(n int, timeout time.Duration) {
 	})
 }
 
-// TestKillLoopExactlyOnce: the SIGKILL loop in exactly-once mode.
-func TestKillLoopExactlyOnce(t *testing.T) { killLoop(t, exactlyOnce) }
-
-// TestNATSRestartExactlyOnce: NATS restarts in exactly-once mode.
-func TestNATSRestartExactlyOnce(t *testing.T) { natsRestart(t, exactlyOnce) }
-
 // TestExactlyOnceForeignPublisher: someone else publishes into the stream;
 // exactly-once mode cannot order against it, so jetbox stops with a clear
 // error instead of corrupting the order.
@@ -144,5 +140,60 @@ func TestExactlyOnceForeignPublisher(t *testing.T) {
 	got := testenv.ReadStream(t, f.js, "OUTBOX", false)
 	if len(got) != 4 || got[0].ID != want[0] || got[3].ID != "" {
 		t.Fatalf("stream changed after the foreign message: %+v", got)
+	}
+}
+
+// TestSharedStreamNeedsDedup: exactly-once, the default, refuses at start-up
+// (exit 2, with the other set-up problems, and in jetbox check) a stream it
+// cannot support — a work queue, whose consumers remove the last message
+// it resumes from, and a stream whose last message another publisher wrote —
+// naming --delivery=dedup; with JETBOX_DELIVERY=dedup jetbox runs on both.
+func TestSharedStreamNeedsDedup(t *testing.T) {
+	f := newFixture(t)
+	f.env = withoutEnv(f.env, "JETBOX_DELIVERY") // the default, whatever JETBOX_TEST_DELIVERY says
+	ctx := ctxT(t, 2*time.Minute)
+	stored := 0
+	for _, c := range []struct {
+		name, want string
+		cfg        jetstream.StreamConfig
+		foreign    bool
+	}{
+		{"work queue", "WorkQueue retention removes consumed messages", jetstream.StreamConfig{Retention: jetstream.WorkQueuePolicy}, false},
+		{"foreign last message", "was not written by jetbox", jetstream.StreamConfig{}, true},
+	} {
+		t.Logf("%s:", c.name)
+		_ = f.js.DeleteStream(ctx, "OUTBOX")
+		c.cfg.Name, c.cfg.Subjects, c.cfg.Duplicates = "OUTBOX", []string{"outbox.>"}, 30*time.Minute
+		_, err := f.js.CreateStream(ctx, c.cfg)
+		must(t, err)
+		stored = 0
+		if c.foreign {
+			_, err := f.js.Publish(ctx, "outbox.intruder.Hello", []byte("not from jetbox"))
+			must(t, err)
+			stored++
+		}
+		p := f.start()
+		if code := p.wait(time.Minute); code != exitConfig {
+			t.Fatalf("%s: exit %d, want %d:\n%s", c.name, code, exitConfig, p.tail(3000))
+		}
+		for _, want := range []string{"set-up problem(s)", "cannot support exactly-once delivery (the default)", c.want, "--delivery=dedup"} {
+			if log := p.logText(); !strings.Contains(log, want) {
+				t.Errorf("%s: output lacks %q:\n%s", c.name, want, p.tail(3000))
+			}
+		}
+		var out, errOut bytes.Buffer
+		if code := realMain([]string{"check", "--postgres-url=" + f.pg.DSN, "--nats-url=" + f.nats.URL}, &out, &errOut); code != exitConfig ||
+			!strings.Contains(out.String(), c.want) || !strings.Contains(out.String(), "--delivery=dedup") {
+			t.Errorf("%s: jetbox check: exit %d:\n%s%s", c.name, code, out.String(), errOut.String())
+		}
+
+		p = f.start("JETBOX_DELIVERY=dedup")
+		f.waitStreaming(p)
+		f.insertTx(f.conn(), c.name, 2)
+		stored += 2
+		f.waitCount(stored, time.Minute)
+		if code := p.stop(); code != exitOK {
+			t.Fatalf("%s: dedup mode: exit %d:\n%s", c.name, code, p.tail(3000))
+		}
 	}
 }

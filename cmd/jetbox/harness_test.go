@@ -98,7 +98,23 @@ func newFixture(t testing.TB, opts ...fixtureOption) *fixture {
 	// A long duplicate window: fault tests replay from Postgres' last
 	// checkpoint, which may be older than the 2-minute default.
 	f.env = []string{"JETBOX_DUPLICATE_WINDOW=30m", "JETBOX_LOG_LEVEL=debug", "JETBOX_SHUTDOWN_TIMEOUT=5s", "JETBOX_HTTP_ADDR="}
+	// JETBOX_TEST_DELIVERY runs the tests in another delivery mode (CI runs
+	// the core set once more with dedup); unset, jetbox's default applies.
+	if d := os.Getenv("JETBOX_TEST_DELIVERY"); d != "" {
+		f.env = append(f.env, "JETBOX_DELIVERY="+d)
+	}
 	return f
+}
+
+// withoutEnv returns env without the entries setting name.
+func withoutEnv(env []string, name string) []string {
+	var out []string
+	for _, e := range env {
+		if !strings.HasPrefix(e, name+"=") {
+			out = append(out, e)
+		}
+	}
+	return out
 }
 
 // proc is a jetbox subprocess.

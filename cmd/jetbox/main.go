@@ -99,6 +99,7 @@ func newParser(c *cli, stdout, stderr io.Writer, exitCode *int) (*kong.Kong, err
 		kong.Description("Forward a PostgreSQL transactional outbox to NATS JetStream: every committed row once, in commit order."),
 		kong.Writers(stdout, stderr),
 		kong.Exit(func(code int) { *exitCode = code }),
+		kong.Vars(flagVars),
 	)
 }
 

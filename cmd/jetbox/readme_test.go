@@ -20,7 +20,7 @@ func TestREADMEConfigTable(t *testing.T) {
 	rt := reflect.TypeOf(RunFlags{})
 	for i := 0; i < rt.NumField(); i++ {
 		f := rt.Field(i)
-		name, env, def := f.Tag.Get("name"), f.Tag.Get("env"), f.Tag.Get("default")
+		name, env, def := f.Tag.Get("name"), f.Tag.Get("env"), os.Expand(f.Tag.Get("default"), func(v string) string { return flagVars[v] })
 		if env != envName(name) {
 			t.Errorf("flag --%s has env %s, want %s", name, env, envName(name))
 		}

@@ -31,7 +31,11 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 		debug.SetGCPercent(200)
 	}
 	log := newLogger(cfg, stdout)
-	log.Info().Str("version", version).Str("slot", cfg.Replication.Slot).Str("stream", cfg.Sink.Stream).
+	delivery := "dedup"
+	if cfg.Sink.ExactlyOnce {
+		delivery = "exactly-once"
+	}
+	log.Info().Str("version", version).Str("delivery", delivery).Str("slot", cfg.Replication.Slot).Str("stream", cfg.Sink.Stream).
 		Str("table", cfg.Replication.Decoder.Schema+"."+cfg.Replication.Decoder.Table).Msg("starting")
 	cfg.Metrics = metrics.New()
 	cfg.Replication.Metrics, cfg.Sink.Metrics = cfg.Metrics, cfg.Metrics

@@ -104,10 +104,15 @@ func TestCheckCommand(t *testing.T) {
 	text := out.String()
 	t.Logf("jetbox check output:\n%s", text)
 	for _, want := range []string{`column "id" is int8`, `column "aggregate_id" is missing`, `column "payload" is xml`,
-		`do not capture "outbox.>"`, "duplicate window 1m0s is shorter than --max-outage 10m0s", "1 replica", "fix:", "problem(s) to fix"} {
+		`do not capture "outbox.>"`, `also captures ["elsewhere.>"]`, "--delivery=dedup", "1 replica", "fix:", "problem(s) to fix"} {
 		if !strings.Contains(text, want) {
 			t.Errorf("check output lacks %q:\n%s", want, text)
 		}
+	}
+	// The duplicate window matters in dedup mode only.
+	out.Reset()
+	if code := realMain(append(args, "--delivery=dedup"), &out, &errOut); code != exitConfig || !strings.Contains(out.String(), "duplicate window 1m0s is shorter than --max-outage 10m0s") {
+		t.Errorf("dedup mode: exit %d, no duplicate-window warning:\n%s", code, out.String())
 	}
 	var slots int
 	must(t, f.conn().QueryRow(ctxT(t, 5*time.Second), "SELECT count(*) FROM pg_replication_slots").Scan(&slots))
