@@ -347,4 +347,3 @@ func TestRepairKilled(t *testing.T) {
 		})
 	}
 }
-
