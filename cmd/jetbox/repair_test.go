@@ -73,10 +73,17 @@ func repairRate(t testing.TB, p *proc) (published, rate int) {
 	return published, rate
 }
 
-// rowKeys returns each outbox row's created_at (microseconds) by id.
-func (f *fixture) rowKeys() map[string]int64 {
+// The repair order keys: created_at, or the commit timestamp when
+// track_commit_timestamp is on.
+const (
+	keyCreatedAt = "created_at"
+	keyCommitTS  = "coalesce(pg_xact_commit_timestamp(xmin), created_at)"
+)
+
+// rowKeys returns each outbox row's order key (microseconds) by id.
+func (f *fixture) rowKeys(key string) map[string]int64 {
 	f.t.Helper()
-	rows, err := f.conn().Query(ctxT(f.t, time.Minute), `SELECT id::text, (extract(epoch FROM created_at) * 1000000)::bigint FROM outbox`)
+	rows, err := f.conn().Query(ctxT(f.t, time.Minute), `SELECT id::text, (extract(epoch FROM `+key+`) * 1000000)::bigint FROM outbox`)
 	must(f.t, err)
 	keys := map[string]int64{}
 	for rows.Next() {
@@ -91,12 +98,12 @@ func (f *fixture) rowKeys() map[string]int64 {
 
 // assertRepaired checks the stream against the committed rows (want, in
 // commit order): every row once; the rows jetbox run streamed in commit
-// order; each stretch of repaired messages in the repair order (created_at,
-// then id) at one position per repair (Jetbox-Commit-LSN, Tx-Index 0, 1,
+// order; each stretch of repaired messages in the repair order (key, then
+// id) at one position per repair (Jetbox-Commit-LSN, Tx-Index 0, 1,
 // ...) with no overlap with what surrounds it: every row before it was
 // committed before every row of it, every row after it after. It returns
 // the number of repaired messages.
-func (f *fixture) assertRepaired(want []string) int {
+func (f *fixture) assertRepaired(want []string, key string) int {
 	f.t.Helper()
 	t := f.t
 	got := testenv.ReadStream(t, f.js, "OUTBOX", true)
@@ -119,7 +126,7 @@ func (f *fixture) assertRepaired(want []string) int {
 			t.Fatalf("id %s missing from the stream (%d stored, %d committed)", id, len(got), len(want))
 		}
 	}
-	keys := f.rowKeys()
+	keys := f.rowKeys(key)
 	repaired, lastStreamed := 0, -1
 	for i := 0; i < len(got); {
 		if got[i].Header.Get("Jetbox-Repaired") != "true" {
@@ -147,7 +154,7 @@ func (f *fixture) assertRepaired(want []string) int {
 					t.Fatalf("repaired seq %d at position %s/%d after %s/%d: positions must increase (one commit LSN per repair, tx index 0, 1, ...)", m.Seq, ml, mi, pl, pi)
 				}
 				if ml == pl && (keys[m.ID] < keys[p.ID] || (keys[m.ID] == keys[p.ID] && m.ID < p.ID)) {
-					t.Fatalf("repaired seq %d (id %s) before seq %d (id %s) in the repair order (created_at, id)", p.Seq, p.ID, m.Seq, m.ID)
+					t.Fatalf("repaired seq %d (id %s) before seq %d (id %s) in the repair order (%s, id)", p.Seq, p.ID, m.Seq, m.ID, key)
 				}
 			}
 		}
@@ -214,7 +221,7 @@ func TestRepairBackfill(t *testing.T) {
 			l.stop()
 			want := o.ids()
 			f.waitCount(len(want), 3*time.Minute)
-			n := f.assertRepaired(want)
+			n := f.assertRepaired(want, keyCreatedAt)
 			if n != published {
 				t.Fatalf("%d repaired messages in the stream, the repair published %d", n, published)
 			}
@@ -233,10 +240,17 @@ func TestRepairLostSlot(t *testing.T) {
 	if testing.Short() {
 		t.Skip("real servers")
 	}
-	for _, mode := range []string{"exactly-once", "dedup"} {
-		t.Run(mode, func(t *testing.T) {
-			f := newFixture(t)
-			f.env = append(f.env, "JETBOX_DELIVERY="+mode)
+	for _, tc := range []struct {
+		name, mode, key string
+		opts            []fixtureOption
+	}{
+		{"exactly-once", "exactly-once", keyCreatedAt, nil},
+		{"dedup", "dedup", keyCreatedAt, nil},
+		{"commit-timestamps", "exactly-once", keyCommitTS, []fixtureOption{withPG(testenv.WithSetting("track_commit_timestamp", "on"))}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t, tc.opts...)
+			f.env = append(f.env, "JETBOX_DELIVERY="+tc.mode)
 			o := f.newOracle()
 			conn := f.conn()
 			p := f.start()
@@ -248,7 +262,10 @@ func TestRepairLostSlot(t *testing.T) {
 			if code := p.stop(); code != 0 {
 				t.Fatalf("jetbox run exited with %d", code)
 			}
-			f.pg.Exec(t, "SELECT pg_drop_replication_slot('jetbox')")
+			testenv.WaitFor(t, 30*time.Second, func() error { // the walsender may outlive jetbox by a moment
+				_, err := conn.Exec(ctxT(t, 10*time.Second), "SELECT pg_drop_replication_slot('jetbox')")
+				return err
+			})
 			var lost []string
 			for i := 0; i < 5; i++ {
 				lost = append(lost, f.insertTx(conn, fmt.Sprintf("l%d", i), 10)...)
@@ -274,6 +291,13 @@ func TestRepairLostSlot(t *testing.T) {
 			if published, _ := repairRate(t, rp); published != 50 {
 				t.Fatalf("repair published %d rows, 50 were lost", published)
 			}
+			var version int
+			var failover bool
+			must(t, conn.QueryRow(ctxT(t, 10*time.Second), `SELECT current_setting('server_version_num')::int,
+				coalesce((SELECT (to_jsonb(s) ->> 'failover')::bool FROM pg_replication_slots s WHERE slot_name = 'jetbox'), false)`).Scan(&version, &failover))
+			if version >= 170000 && !failover {
+				t.Fatal("on PostgreSQL 17+ repair must create a failover slot, as jetbox run does")
+			}
 			p = f.start()
 			f.waitStreaming(p)
 			for i := 0; i < 2; i++ {
@@ -281,7 +305,7 @@ func TestRepairLostSlot(t *testing.T) {
 			}
 			want := o.ids()
 			f.waitCount(len(want), time.Minute)
-			if n := f.assertRepaired(want); n != len(lost) {
+			if n := f.assertRepaired(want, tc.key); n != len(lost) {
 				t.Fatalf("%d repaired messages, %d rows were lost", n, len(lost))
 			}
 			if code := p.stop(); code != 0 {
@@ -339,7 +363,7 @@ func TestRepairKilled(t *testing.T) {
 			l.stop()
 			want := o.ids()
 			f.waitCount(len(want), 3*time.Minute)
-			n := f.assertRepaired(want)
+			n := f.assertRepaired(want, keyCreatedAt)
 			t.Logf("%d rows: %d repaired in two repairs (%d by the second), %d streamed, each once", len(want), n, published, len(want)-n)
 			if code := p.stop(); code != 0 {
 				t.Fatalf("jetbox run exited with %d", code)
