@@ -371,3 +371,43 @@ func TestRepairKilled(t *testing.T) {
 		})
 	}
 }
+
+// TestRepairRefusesLiveSlot: repair leaves a slot alone that jetbox run
+// holds, or that is valid and was not left by a repair (exit 2 with the
+// fix), and publishes nothing.
+func TestRepairRefusesLiveSlot(t *testing.T) {
+	if testing.Short() {
+		t.Skip("real servers")
+	}
+	f := newFixture(t)
+	f.env = append(f.env, exactlyOnce)
+	p := f.start()
+	f.waitStreaming(p)
+	f.insertTx(f.conn(), "a", 10)
+	f.waitCount(10, time.Minute)
+	for _, c := range []struct{ when, want string }{{"while jetbox run streams", "is in use by walsender pid"}, {"after it stopped", "exists, is valid"}} {
+		rp := f.startCmd([]string{"repair"})
+		if code := rp.wait(2 * time.Minute); code != exitConfig || !strings.Contains(rp.logText(), c.want) {
+			t.Fatalf("repair %s exited with %d, want %d and %q:\n%s", c.when, code, exitConfig, c.want, rp.tail(4096))
+		}
+		if c.when == "while jetbox run streams" {
+			if code := p.stop(); code != 0 {
+				t.Fatalf("jetbox run exited with %d", code)
+			}
+			testenv.WaitFor(t, 30*time.Second, func() error {
+				if _, active, err := f.slotState(); err != nil || active {
+					return fmt.Errorf("slot still active (%v)", err)
+				}
+				return nil
+			})
+		}
+	}
+	if n, err := testenv.StreamCount(f.js, "OUTBOX"); err != nil || n != 10 {
+		t.Fatalf("stream holds %d messages (%v), want 10", n, err)
+	}
+	var markers int
+	must(t, f.conn().QueryRow(ctxT(t, 10*time.Second), "SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'jetbox_repair_jetbox'").Scan(&markers))
+	if markers != 0 {
+		t.Fatal("a refused repair left its marker: jetbox run would refuse to start")
+	}
+}
