@@ -278,6 +278,7 @@ func TestRepairLostSlot(t *testing.T) {
 			if out := dry.logText(); !strings.Contains(out, "missing:  50 rows") {
 				t.Fatalf("dry run does not report the 50 missing rows:\n%s", out)
 			}
+			t.Logf("dry run:\n%s", dry.logText())
 			if n, err := testenv.StreamCount(f.js, "OUTBOX"); err != nil || n != 30 {
 				t.Fatalf("after the dry run the stream holds %d messages (%v), want 30", n, err)
 			}
