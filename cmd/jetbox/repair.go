@@ -41,7 +41,9 @@ func (c *repairCmd) run(ctx context.Context, stdout, stderr io.Writer) int {
 	var since time.Time
 	var margin, progress time.Duration
 	var errs []error
-	if err != nil {
+	if j, ok := err.(interface{ Unwrap() []error }); ok {
+		errs = append(errs, j.Unwrap()...)
+	} else if err != nil {
 		errs = append(errs, err)
 	}
 	if c.Since != "" {
@@ -119,10 +121,13 @@ func (r *repairer) run(ctx context.Context) (int, error) {
 		if _, err := pub.EnsureStream(sctx); err != nil {
 			return exitConfig, err
 		}
-		if cfg.Replication.Decoder.MaxMessageSize, err = pub.MessageLimit(sctx); err != nil {
-			return exitFailure, err
-		}
 	}
+	if limit, err := pub.MessageLimit(sctx); err == nil {
+		cfg.Replication.Decoder.MaxMessageSize = limit
+	} else if !r.dryRun { // a dry run before the stream exists checks no size
+		return exitFailure, err
+	}
+	r.cfg = cfg
 	last, hasLast, err := pub.LastMessage(sctx)
 	if err != nil {
 		return exitFailure, err

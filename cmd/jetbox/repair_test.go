@@ -412,3 +412,64 @@ func TestRepairRefusesLiveSlot(t *testing.T) {
 		t.Fatal("a refused repair left its marker: jetbox run would refuse to start")
 	}
 }
+
+// TestRepairConfigProblems: repair's own flags are checked with run's, all
+// reported at once (exit 2), before anything is contacted.
+func TestRepairConfigProblems(t *testing.T) {
+	var out, errOut strings.Builder
+	code := realMain([]string{"repair", "--postgres-url=postgres://u@127.0.0.1:1/db", "--since=yesterday", "--all", "--margin=-1m", "--slot=Bad"}, &out, &errOut)
+	if code != exitConfig {
+		t.Fatalf("exit %d, want %d:\n%s", code, exitConfig, errOut.String())
+	}
+	for _, want := range []string{"4 configuration problem(s)", "--since", "--all", "--margin", "--slot"} {
+		if !strings.Contains(errOut.String(), want) {
+			t.Fatalf("missing %q in:\n%s", want, errOut.String())
+		}
+	}
+}
+
+// TestRepairInvalidRow: a row that cannot be published stops the repair
+// (exit 1 naming it, marker kept) or, with --on-invalid=dead-letter,
+// becomes the same dead letter jetbox run would publish.
+func TestRepairInvalidRow(t *testing.T) {
+	if testing.Short() {
+		t.Skip("real servers")
+	}
+	f := newFixture(t)
+	f.env = append(f.env, exactlyOnce)
+	conn := f.conn()
+	good := f.insertTx(conn, "a", 5)
+	var bad string
+	must(t, conn.QueryRow(ctxT(t, 10*time.Second), `INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+		VALUES ('big order', '1', 'E', '{}') RETURNING id::text`).Scan(&bad))
+	rp := f.startCmd([]string{"repair"})
+	if code := rp.wait(2 * time.Minute); code != exitFailure || !strings.Contains(rp.logText(), "id="+bad) || !strings.Contains(rp.logText(), "--on-invalid=dead-letter") {
+		t.Fatalf("repair over an invalid row exited with %d, want %d naming the row and the fix:\n%s", code, exitFailure, rp.tail(4096))
+	}
+	// The rows before it (in the repair order) are stored: the second
+	// repair skips them and publishes the dead letter.
+	rp = f.repair("JETBOX_ON_INVALID=dead-letter")
+	if published, _ := repairRate(t, rp); published != 1 || !strings.Contains(rp.logText(), "5 already in the stream") {
+		t.Fatalf("second repair published %d, want the dead letter only:\n%s", published, rp.tail(2048))
+	}
+	got := testenv.ReadStream(t, f.js, "OUTBOX", true)
+	var ids []string
+	var dl *testenv.StreamMsg
+	for i, m := range got {
+		if m.Header.Get("Jetbox-Repaired") != "true" {
+			t.Fatalf("seq %d lacks Jetbox-Repaired", m.Seq)
+		}
+		if strings.HasPrefix(m.Subject, "outbox._dlq.") {
+			dl = &got[i]
+			continue
+		}
+		ids = append(ids, m.ID)
+	}
+	if len(ids) != len(good) || dl == nil || dl.Subject != "outbox._dlq.bad-subject" || dl.Header.Get("Jetbox-Row-Id") != bad {
+		t.Fatalf("stream: %d rows (want %d) and dead letter %+v", len(ids), len(good), dl)
+	}
+	// Nothing is missing now: a second repair (the slot is valid) refuses.
+	if code := f.startCmd([]string{"repair"}).wait(time.Minute); code != exitConfig {
+		t.Fatalf("second repair exited with %d, want %d", code, exitConfig)
+	}
+}
