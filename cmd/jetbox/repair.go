@@ -345,6 +345,11 @@ func (r *repairer) publish(ctx context.Context, pub *sink.Publisher, rep *replic
 			}
 			ev.Source = rep.Source
 			ev.Headers = append(ev.Headers, decoder.Header{Key: sink.HeaderRepaired, Value: "true"})
+			if r.cfg.Sink.AtomicTransactions {
+				// Each repaired row stands alone: a consumer that buffers
+				// until a transaction's end must not wait on the next one.
+				ev.Headers = append(ev.Headers, decoder.Header{Key: sink.HeaderTxLast, Value: "true"})
+			}
 			mu.Lock()
 			stop := failErr != nil
 			mu.Unlock()

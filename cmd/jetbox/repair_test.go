@@ -243,14 +243,16 @@ func TestRepairLostSlot(t *testing.T) {
 	for _, tc := range []struct {
 		name, mode, key string
 		opts            []fixtureOption
+		env             []string
 	}{
-		{"exactly-once", "exactly-once", keyCreatedAt, nil},
-		{"dedup", "dedup", keyCreatedAt, nil},
-		{"commit-timestamps", "exactly-once", keyCommitTS, []fixtureOption{withPG(testenv.WithSetting("track_commit_timestamp", "on"))}},
+		{"exactly-once", "exactly-once", keyCreatedAt, nil, nil},
+		{"dedup", "dedup", keyCreatedAt, nil, nil},
+		{"commit-timestamps", "exactly-once", keyCommitTS, []fixtureOption{withPG(testenv.WithSetting("track_commit_timestamp", "on"))}, nil},
+		{"atomic", "exactly-once", keyCreatedAt, nil, []string{"JETBOX_ATOMIC_TRANSACTIONS=true"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			f := newFixture(t, tc.opts...)
-			f.env = append(f.env, "JETBOX_DELIVERY="+tc.mode)
+			f.env = append(append(f.env, "JETBOX_DELIVERY="+tc.mode), tc.env...)
 			o := f.newOracle()
 			conn := f.conn()
 			p := f.start()
@@ -308,6 +310,13 @@ func TestRepairLostSlot(t *testing.T) {
 			f.waitCount(len(want), time.Minute)
 			if n := f.assertRepaired(want, tc.key); n != len(lost) {
 				t.Fatalf("%d repaired messages, %d rows were lost", n, len(lost))
+			}
+			if tc.env != nil {
+				for _, m := range testenv.ReadStream(t, f.js, "OUTBOX", true) {
+					if m.Header.Get("Jetbox-Repaired") == "true" && m.Header.Get("Jetbox-Tx-Last") != "true" {
+						t.Fatalf("repaired seq %d lacks Jetbox-Tx-Last with --atomic-transactions", m.Seq)
+					}
+				}
 			}
 			if code := p.stop(); code != 0 {
 				t.Fatalf("jetbox run exited with %d", code)
