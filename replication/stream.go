@@ -285,7 +285,7 @@ func (s *Streamer) session(ctx context.Context) (err error) {
 	if err != nil {
 		return fmt.Errorf("identify system: %w", err)
 	}
-	source := fmt.Sprintf("%s/%d/%s/%s", sys.SystemID, sys.Timeline, sys.DBName, s.cfg.Slot)
+	source := sourceOf(sys, s.cfg.Slot)
 	// Open the sink before streaming starts: no walsender waits on us yet.
 	sess, err := s.sink.Open(sctx, source)
 	if err != nil {

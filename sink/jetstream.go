@@ -204,6 +204,7 @@ type Session struct {
 	nextSeq uint64   // the stream's last sequence before the next publish
 	last    Position // position of the stream's last message
 	skipped uint64
+	repair  bool // opened by OpenRepair
 }
 
 // Position orders events along the stream: commit order, then the row's
@@ -299,6 +300,13 @@ func (s *Session) resume(ctx context.Context) error {
 	if !ok {
 		return &PermanentError{Err: fmt.Errorf("exactly-once: %w (seq %d, subject %s)", ErrForeignMessage, s.nextSeq, m.Subject),
 			Hint: "exactly-once mode needs jetbox to be the stream's only writer: stop the other publisher (or use --delivery=dedup), then restart jetbox"}
+	}
+	if !sameSource && s.repair {
+		// jetbox repair starts the new slot's history: nothing of it is in
+		// the stream yet, so nothing is skipped by position.
+		s.lastID = m.Header.Get(jetstream.MsgIDHeader)
+		s.p.log.Info().Uint64("seq", s.nextSeq).Str("last_source", m.Header.Get(HeaderSource)).Msg("exactly-once repair: the stream's last message comes from another source")
+		return nil
 	}
 	if !sameSource {
 		return &PermanentError{Err: fmt.Errorf("exactly-once: the stream's last message (seq %d) comes from %q, this jetbox reads %q", s.nextSeq, m.Header.Get(HeaderSource), s.source),

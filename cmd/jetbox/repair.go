@@ -1,0 +1,446 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jetbox-dev/jetbox/decoder"
+	"github.com/jetbox-dev/jetbox/internal/natsembed"
+	"github.com/jetbox-dev/jetbox/replication"
+	"github.com/jetbox-dev/jetbox/sink"
+	"github.com/rs/zerolog"
+)
+
+// repairCmd is `jetbox repair`: make the stream whole from the rows the
+// outbox table still holds (see the README's "Repair and backfill").
+type repairCmd struct {
+	RunFlags
+	Since           string `name:"since" env:"JETBOX_REPAIR_SINCE" help:"Repair rows from this RFC 3339 time on (commit timestamp with track_commit_timestamp on, else the created-at column). Default: from the stream's last event's commit time minus --margin, or every row when the stream is empty." placeholder:"TIME"`
+	All             bool   `name:"all" env:"JETBOX_REPAIR_ALL" help:"Repair every row of the table (reads every id of the stream)."`
+	Margin          string `name:"margin" env:"JETBOX_REPAIR_MARGIN" default:"10m" help:"Overlap read before the start time: longest transaction plus clock skew between Postgres and NATS."`
+	CreatedAtColumn string `name:"created-at-column" env:"JETBOX_CREATED_AT_COLUMN" default:"created_at" help:"Insert-time column (timestamptz) ordering and filtering the rows when track_commit_timestamp is off."`
+	DryRun          bool   `name:"dry-run" help:"Print what is missing from the stream (count, first and last ids and times); publish, create and drop nothing."`
+	Progress        string `name:"progress-interval" env:"JETBOX_REPAIR_PROGRESS_INTERVAL" default:"5s" help:"How often to print progress on stderr."`
+}
+
+// repairState is one repair's counters, read by the progress printer.
+type repairState struct {
+	total     int64
+	published atomic.Int64 // acked
+	skipped   atomic.Int64 // already in the stream
+	started   time.Time
+}
+
+func (c *repairCmd) run(ctx context.Context, stdout, stderr io.Writer) int {
+	cfg, err := c.RunFlags.Config()
+	var since time.Time
+	var margin, progress time.Duration
+	var errs []error
+	if j, ok := err.(interface{ Unwrap() []error }); ok {
+		errs = append(errs, j.Unwrap()...)
+	} else if err != nil {
+		errs = append(errs, err)
+	}
+	if c.Since != "" {
+		if since, err = time.Parse(time.RFC3339Nano, c.Since); err != nil {
+			errs = append(errs, &ConfigError{Flag: "since", Env: "JETBOX_REPAIR_SINCE", Value: c.Since, Problem: "not an RFC 3339 time", Fix: "use e.g. 2026-05-01T12:00:00Z"})
+		}
+		if c.All {
+			errs = append(errs, &ConfigError{Flag: "all", Env: "JETBOX_REPAIR_ALL", Problem: "--all and --since exclude each other", Fix: "give one of them"})
+		}
+	}
+	if margin, err = time.ParseDuration(c.Margin); err != nil || margin < 0 {
+		errs = append(errs, &ConfigError{Flag: "margin", Env: "JETBOX_REPAIR_MARGIN", Value: c.Margin, Problem: "not a duration ≥ 0", Fix: "use e.g. 10m"})
+	}
+	if progress, err = time.ParseDuration(c.Progress); err != nil || progress <= 0 {
+		errs = append(errs, &ConfigError{Flag: "progress-interval", Env: "JETBOX_REPAIR_PROGRESS_INTERVAL", Value: c.Progress, Problem: "not a positive duration", Fix: "use e.g. 5s"})
+	}
+	if len(errs) > 0 {
+		printProblems(stderr, "configuration", errors.Join(errs...))
+		return exitConfig
+	}
+	log := newLogger(cfg, stdout).With().Str("command", "repair").Logger()
+	r := &repairer{cfg: cfg, log: log, stdout: stdout, stderr: stderr, since: since, all: c.All, margin: margin,
+		progress: progress, dryRun: c.DryRun, createdAt: c.CreatedAtColumn}
+	code, err := r.run(ctx)
+	if err != nil {
+		if ctx.Err() != nil {
+			fmt.Fprintln(stderr, "jetbox: repair interrupted: run jetbox repair again to finish it (it is safe to re-run)")
+			return exitFailure
+		}
+		log.Error().Err(err).Msg("repair failed")
+		fmt.Fprintln(stderr, "jetbox:", err)
+	}
+	return code
+}
+
+type repairer struct {
+	cfg            Config
+	log            zerolog.Logger
+	stdout, stderr io.Writer
+	since          time.Time
+	all, dryRun    bool
+	margin         time.Duration
+	progress       time.Duration
+	createdAt      string
+}
+
+func (r *repairer) run(ctx context.Context) (int, error) {
+	cfg := r.cfg
+	if cfg.NatsURL == "embedded" {
+		srv, err := startEmbeddedNATS(cfg)
+		if err != nil {
+			return exitConfig, err
+		}
+		defer natsembed.Stop(srv)
+		cfg.NatsURL = srv.ClientURL()
+	}
+	var pubRef atomic.Pointer[sink.Publisher]
+	nc, err := connectNATS(cfg, r.log, func(err error) {
+		if p := pubRef.Load(); p != nil {
+			p.NoteAsyncError(err)
+		}
+	})
+	if err != nil {
+		return exitConfig, fmt.Errorf("connect to NATS %s: %w", redact(cfg.NatsURL), err)
+	}
+	defer nc.Close()
+	pub, err := sink.New(nc, cfg.Sink, r.log)
+	if err != nil {
+		return exitFailure, err
+	}
+	pubRef.Store(pub)
+	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	if !r.dryRun {
+		if _, err := pub.EnsureStream(sctx); err != nil {
+			return exitConfig, err
+		}
+	}
+	if limit, err := pub.MessageLimit(sctx); err == nil {
+		cfg.Replication.Decoder.MaxMessageSize = limit
+	} else if !r.dryRun { // a dry run before the stream exists checks no size
+		return exitFailure, err
+	}
+	r.cfg = cfg
+	last, hasLast, err := pub.LastMessage(sctx)
+	if err != nil {
+		return exitFailure, err
+	}
+
+	// What to repair: the rows from `since` on, and the stream's ids from
+	// since - margin (a row's message is stored after the row's time).
+	since, readFrom := r.since, time.Time{}
+	switch {
+	case r.all || (since.IsZero() && !hasLast):
+		since = time.Time{}
+	case since.IsZero():
+		t := last.CommitTime
+		if t.IsZero() {
+			t = last.Stored
+		}
+		since = t.Add(-r.margin)
+	}
+	if !since.IsZero() {
+		readFrom = since.Add(-r.margin)
+	}
+
+	rep, err := replication.OpenRepair(ctx, cfg.PostgresURL, cfg.Replication, replication.RepairOptions{DryRun: r.dryRun, CreatedAtColumn: r.createdAt}, r.log)
+	if err != nil {
+		if errors.Is(err, replication.ErrRepairRefused) {
+			return exitConfig, err
+		}
+		return exitFailure, err
+	}
+	defer rep.Close(context.WithoutCancel(ctx))
+	ids, err := pub.StoredIDs(ctx, readFrom)
+	if err != nil {
+		return exitFailure, err
+	}
+	total, err := rep.Count(ctx, since)
+	if err != nil {
+		return exitFailure, err
+	}
+	from := "every row"
+	if !since.IsZero() {
+		from = "rows from " + since.Format(time.RFC3339Nano)
+	}
+	r.log.Info().Int64("rows", total).Str("from", from).Int("stream_ids", len(ids)).Str("order", rep.Order).Str("plan", rep.Plan).Msg("repair: reading the snapshot")
+	if r.dryRun {
+		return r.report(ctx, rep, since, from, total, ids)
+	}
+
+	st := &repairState{total: total, started: time.Now()}
+	stopProgress := r.startProgress(st)
+	err = r.publish(ctx, pub, rep, since, ids, st)
+	stopProgress()
+	if err != nil {
+		return exitFailure, err
+	}
+	fctx, fcancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	defer fcancel()
+	if err := rep.Finish(fctx); err != nil {
+		return exitFailure, err
+	}
+	elapsed := time.Since(st.started)
+	rate := float64(st.published.Load()+st.skipped.Load()) / elapsed.Seconds()
+	r.log.Info().Int64("published", st.published.Load()).Int64("skipped", st.skipped.Load()).Dur("elapsed", elapsed).
+		Float64("rows_per_second", rate).Str("lsn", rep.ConsistentPoint.String()).Msg("repair done: the stream holds every row of the snapshot; jetbox run streams the rest from the slot")
+	fmt.Fprintf(r.stderr, "jetbox repair: done: %d rows published, %d already in the stream, in %s (%.0f rows/s); start jetbox run\n",
+		st.published.Load(), st.skipped.Load(), elapsed.Round(time.Millisecond), rate)
+	if st.published.Load() == 0 && hasLast && last.Source != rep.Source && cfg.Sink.ExactlyOnce {
+		r.log.Warn().Str("last_source", last.Source).Str("source", rep.Source).
+			Msg("nothing was missing, and the stream's last message comes from another source: exactly-once jetbox run will refuse to resume after it (see the README)")
+	}
+	return exitOK, nil
+}
+
+// report is the dry run: what is missing, without publishing.
+func (r *repairer) report(ctx context.Context, rep *replication.Repair, since time.Time, from string, total int64, ids map[string]struct{}) (int, error) {
+	dec := decoder.NewRowDecoder(r.cfg.Replication.Decoder, rep.Columns())
+	var missing, invalid int64
+	var firstID, lastID string
+	var firstT, lastT time.Time
+	err := rep.Rows(ctx, since, func(values [][]byte, t time.Time) error {
+		ev, err := dec.Decode(values, 0, t, 0)
+		id := ev.ID
+		var ie *decoder.InvalidEventError
+		if errors.As(err, &ie) {
+			invalid++
+			id = ie.ID
+		} else if err != nil {
+			return err
+		}
+		if ev.DeadLetter != nil {
+			invalid++
+			id = ev.DeadLetter.ID
+		}
+		if _, ok := ids[id]; ok && id != "" {
+			return nil
+		}
+		if missing == 0 {
+			firstID, firstT = id, t
+		}
+		lastID, lastT = id, t
+		missing++
+		return nil
+	})
+	if err != nil {
+		return exitFailure, err
+	}
+	w := r.stdout
+	fmt.Fprintf(w, "dry run: nothing published, created or dropped\n")
+	fmt.Fprintf(w, "slot:     %s\n", rep.Plan)
+	if rep.Refused != nil {
+		fmt.Fprintf(w, "refused:  %v\n", rep.Refused)
+	}
+	fmt.Fprintf(w, "range:    %s (%d rows), order %s\n", from, total, rep.Order)
+	fmt.Fprintf(w, "stream:   %d ids read\n", len(ids))
+	fmt.Fprintf(w, "missing:  %d rows\n", missing)
+	if missing > 0 {
+		fmt.Fprintf(w, "first:    %s at %s\n", firstID, firstT.Format(time.RFC3339Nano))
+		fmt.Fprintf(w, "last:     %s at %s\n", lastID, lastT.Format(time.RFC3339Nano))
+	}
+	if invalid > 0 {
+		fmt.Fprintf(w, "invalid:  %d rows cannot be published as they are (see --on-invalid)\n", invalid)
+	}
+	return exitOK, nil
+}
+
+// startProgress prints the progress on stderr every r.progress.
+func (r *repairer) startProgress(st *repairState) func() {
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		tick := time.NewTicker(r.progress)
+		defer tick.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-tick.C:
+			}
+			n := st.published.Load() + st.skipped.Load()
+			el := time.Since(st.started).Seconds()
+			rate := float64(n) / el
+			left := "?"
+			if rate > 0 {
+				left = (time.Duration(float64(st.total-n)/rate) * time.Second).Round(time.Second).String()
+			}
+			pct := 100.0
+			if st.total > 0 {
+				pct = 100 * float64(n) / float64(st.total)
+			}
+			fmt.Fprintf(r.stderr, "jetbox repair: %d/%d rows (%.1f%%), %d published, %d already in the stream, %.0f rows/s, about %s left\n",
+				n, st.total, pct, st.published.Load(), st.skipped.Load(), rate, left)
+		}
+	}()
+	return func() { close(done); wg.Wait() }
+}
+
+// publish publishes the rows of the snapshot that the stream does not hold,
+// in the repair order, at positions (consistent point - 1, k): after
+// everything the stream held, before everything the slot streams (see the
+// README). A failure ends the pass; the next pass republishes from the
+// first row not acked, on a new session (exactly-once skips what it stored).
+func (r *repairer) publish(ctx context.Context, pub *sink.Publisher, rep *replication.Repair, since time.Time, ids map[string]struct{}, st *repairState) error {
+	commitLSN := rep.ConsistentPoint - 1
+	dec := decoder.NewRowDecoder(r.cfg.Replication.Decoder, rep.Columns())
+	deadLetters := map[int]*decoder.InvalidEventError{} // found by the sink, by k
+	acked := 0                                          // rows 0..acked-1 are stored
+	backoff := 200 * time.Millisecond
+	for pass := 1; ; pass++ {
+		sess, err := pub.OpenRepair(ctx, rep.Source)
+		if err != nil {
+			var pe *sink.PermanentError
+			if errors.As(err, &pe) || ctx.Err() != nil {
+				return err
+			}
+			r.log.Warn().Err(err).Dur("backoff", backoff).Msg("open publishing session")
+			if err := sleepCtx(ctx, backoff); err != nil {
+				return err
+			}
+			backoff = min(backoff*2, 30*time.Second)
+			continue
+		}
+		window := make(chan struct{}, r.cfg.Replication.MaxInFlight)
+		var mu sync.Mutex
+		var failErr error
+		failK := -1
+		contiguous := acked // first k not yet acked in order
+		k := 0
+		scanErr := rep.Rows(ctx, since, func(values [][]byte, t time.Time) error {
+			ev, err := dec.Decode(values, commitLSN, t, k)
+			if err != nil {
+				return err // an invalid row with --on-invalid=stop
+			}
+			id := ev.ID
+			if ev.DeadLetter != nil {
+				id = ev.DeadLetter.ID
+			}
+			if _, ok := ids[id]; ok && id != "" {
+				if pass == 1 {
+					st.skipped.Add(1)
+				}
+				return nil
+			}
+			myK := k
+			k++
+			if myK < acked {
+				return nil // stored by an earlier pass
+			}
+			if cause := deadLetters[myK]; cause != nil {
+				ev = r.cfg.Replication.Decoder.DeadLetter(&ev, cause)
+			}
+			if ev.DeadLetter != nil {
+				r.log.Warn().Str("event_id", ev.DeadLetter.ID).Str("reason", ev.DeadLetter.Code).Str("dead_letter_subject", ev.Subject).
+					Str("error", ev.DeadLetter.Error()).Msg("outbox row cannot be published: sending a dead letter instead")
+			}
+			ev.Source = rep.Source
+			ev.Headers = append(ev.Headers, decoder.Header{Key: sink.HeaderRepaired, Value: "true"})
+			if r.cfg.Sink.AtomicTransactions {
+				// Each repaired row stands alone: a consumer that buffers
+				// until a transaction's end must not wait on the next one.
+				ev.Headers = append(ev.Headers, decoder.Header{Key: sink.HeaderTxLast, Value: "true"})
+			}
+			mu.Lock()
+			stop := failErr != nil
+			mu.Unlock()
+			if stop {
+				return errStopPass
+			}
+			select {
+			case window <- struct{}{}:
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+			err = sess.Publish(&ev, func(err error) {
+				<-window
+				mu.Lock()
+				defer mu.Unlock()
+				if err == nil && failErr == nil && myK == contiguous {
+					contiguous++
+					st.published.Add(1)
+					return
+				}
+				if err != nil && failErr == nil {
+					failErr, failK = fmt.Errorf("publish id=%s: %w", ev.ID, err), myK
+				}
+			})
+			if err != nil {
+				<-window
+				mu.Lock()
+				if failErr == nil {
+					failErr, failK = fmt.Errorf("publish id=%s: %w", ev.ID, err), myK
+				}
+				mu.Unlock()
+				return errStopPass
+			}
+			return nil
+		})
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.Sink.PublishTimeout+10*time.Second)
+		_ = sess.Close(cctx)
+		cancel()
+		mu.Lock()
+		acked, failed, cause := contiguous, failK, failErr
+		mu.Unlock()
+		if scanErr != nil && !errors.Is(scanErr, errStopPass) {
+			return r.stopError(scanErr)
+		}
+		if cause == nil {
+			if acked < k { // abandoned acks (Close gave up)
+				cause = errors.New("acks still outstanding when the session closed")
+			} else {
+				return nil
+			}
+		}
+		var ie *decoder.InvalidEventError
+		if errors.As(cause, &ie) {
+			if r.cfg.Replication.Decoder.DeadLetterSubject == "" || !ie.DeadLetterable() || deadLetters[failed] != nil {
+				return r.stopError(cause)
+			}
+			deadLetters[failed] = ie
+			continue
+		}
+		var pe *sink.PermanentError
+		if errors.As(cause, &pe) || ctx.Err() != nil {
+			return cause
+		}
+		r.log.Warn().Err(cause).Int("pass", pass).Int("acked", acked).Dur("backoff", backoff).Msg("publish failed: republishing from the first unacked row, in order")
+		if err := sleepCtx(ctx, backoff); err != nil {
+			return err
+		}
+		backoff = min(backoff*2, 30*time.Second)
+	}
+}
+
+var errStopPass = errors.New("stop this pass")
+
+// stopError explains an invalid row the repair stops on.
+func (r *repairer) stopError(err error) error {
+	var ie *decoder.InvalidEventError
+	if errors.As(err, &ie) {
+		next := "fix the row (or the cause) and run jetbox repair again"
+		if ie.DeadLetterable() {
+			next += fmt.Sprintf(", or run it with --on-invalid=dead-letter to publish it to %s._dlq.%s and go on", r.cfg.Sink.SubjectPrefix, ie.Code)
+		}
+		return fmt.Errorf("%w; the repair stopped before it (rows after it are not published yet, jetbox run refuses to start until a repair finishes): %s", err, next)
+	}
+	return err
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) error {
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-time.After(d):
+		return nil
+	}
+}

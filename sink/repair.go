@@ -1,0 +1,120 @@
+package sink
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jetbox-dev/jetbox/decoder"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// HeaderRepaired marks a message jetbox repair published from the table.
+const HeaderRepaired = "Jetbox-Repaired"
+
+// OpenRepair starts a session for jetbox repair. It is Open, except that in
+// exactly-once mode the stream's last message may come from another jetbox
+// source (the slot was lost in a failover or a restore): the repair starts
+// the new slot's history, so it resumes after nothing of it. A last message
+// from the same source is resumed after, as Open does.
+func (p *Publisher) OpenRepair(ctx context.Context, source string) (*Session, error) {
+	s := &Session{p: p, pending: make(chan pendingAck, p.cfg.MaxPending+1), quit: make(chan struct{}), source: source, repair: true}
+	if err := s.resume(ctx); err != nil {
+		return nil, err
+	}
+	s.wg.Add(1)
+	go s.watch()
+	return s, nil
+}
+
+// LastMessage is what repair needs of the stream's last message.
+type LastMessage struct {
+	Seq        uint64
+	ID         string
+	Stored     time.Time // the server's time
+	CommitTime time.Time // Jetbox-Commit-Time; zero if not a jetbox message
+	Source     string
+}
+
+// LastMessage returns the stream's last message; ok is false when the
+// stream is empty or does not exist.
+func (p *Publisher) LastMessage(ctx context.Context) (last LastMessage, ok bool, err error) {
+	st, err := p.js.Stream(ctx, p.cfg.Stream)
+	if errors.Is(err, jetstream.ErrStreamNotFound) {
+		return LastMessage{}, false, nil
+	}
+	if err != nil {
+		return LastMessage{}, false, fmt.Errorf("look up stream %q: %w", p.cfg.Stream, err)
+	}
+	seq := st.CachedInfo().State.LastSeq
+	if seq == 0 {
+		return LastMessage{}, false, nil
+	}
+	m, err := st.GetMsg(ctx, seq)
+	if err != nil {
+		return LastMessage{}, false, fmt.Errorf("read the stream's last message (seq %d): %w", seq, err)
+	}
+	last = LastMessage{Seq: seq, ID: m.Header.Get(jetstream.MsgIDHeader), Stored: m.Time, Source: m.Header.Get(HeaderSource)}
+	if t, err := time.Parse(time.RFC3339Nano, m.Header.Get(HeaderCommitTime)); err == nil {
+		last.CommitTime = t
+	}
+	return last, true, nil
+}
+
+// StoredIDs returns the row ids of the messages the stream stored at or
+// after since (the server's time; zero: the whole stream), up to its last
+// message now: Nats-Msg-Id, and Jetbox-Row-Id of dead letters. It reads
+// headers only, with an ordered consumer.
+func (p *Publisher) StoredIDs(ctx context.Context, since time.Time) (map[string]struct{}, error) {
+	ids := map[string]struct{}{}
+	st, err := p.js.Stream(ctx, p.cfg.Stream)
+	if errors.Is(err, jetstream.ErrStreamNotFound) {
+		return ids, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("look up stream %q: %w", p.cfg.Stream, err)
+	}
+	last := st.CachedInfo().State.LastSeq
+	if last == 0 {
+		return ids, nil
+	}
+	cc := jetstream.OrderedConsumerConfig{HeadersOnly: true, DeliverPolicy: jetstream.DeliverAllPolicy}
+	if !since.IsZero() {
+		m, err := st.GetMsg(ctx, last)
+		if err != nil {
+			return nil, fmt.Errorf("read the stream's last message (seq %d): %w", last, err)
+		}
+		if m.Time.Before(since) {
+			return ids, nil
+		}
+		cc.DeliverPolicy, cc.OptStartTime = jetstream.DeliverByStartTimePolicy, &since
+	}
+	cons, err := st.OrderedConsumer(ctx, cc)
+	if err != nil {
+		return nil, fmt.Errorf("read the ids of stream %q: %w", p.cfg.Stream, err)
+	}
+	it, err := cons.Messages(jetstream.PullMaxMessages(4096))
+	if err != nil {
+		return nil, fmt.Errorf("read the ids of stream %q: %w", p.cfg.Stream, err)
+	}
+	defer it.Stop()
+	for {
+		m, err := it.Next(jetstream.NextContext(ctx))
+		if err != nil {
+			return nil, fmt.Errorf("read the ids of stream %q (%d read): %w", p.cfg.Stream, len(ids), err)
+		}
+		h := m.Headers()
+		ids[h.Get(jetstream.MsgIDHeader)] = struct{}{}
+		if row := h.Get(decoder.HeaderRowID); row != "" {
+			ids[row] = struct{}{}
+		}
+		md, err := m.Metadata()
+		if err != nil {
+			return nil, fmt.Errorf("read the ids of stream %q: %w", p.cfg.Stream, err)
+		}
+		if md.Sequence.Stream >= last {
+			return ids, nil
+		}
+	}
+}
