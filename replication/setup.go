@@ -297,14 +297,24 @@ func Ensure(ctx context.Context, connString string, cfg Config, log zerolog.Logg
 	}
 	if n == 0 {
 		var lsn string
-		err := conn.QueryRow(ctx, "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput', false)", cfg.Slot).Scan(&lsn)
+		var num int
+		if err := conn.QueryRow(ctx, "SELECT current_setting('server_version_num')::int").Scan(&num); err != nil {
+			return fmt.Errorf("read server version: %w", err)
+		}
+		create := "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput', false)"
+		if num >= 170000 {
+			// A failover slot: standbys with sync_replication_slots keep a
+			// copy, so the slot survives a promotion (see the README).
+			create = "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput', false, false, true)"
+		}
+		err := conn.QueryRow(ctx, create, cfg.Slot).Scan(&lsn)
 		if isDuplicate(err) {
 			return nil // another instance created it just now
 		}
 		if err != nil {
 			return fmt.Errorf("create replication slot %q: %w", cfg.Slot, err)
 		}
-		log.Warn().Str("slot", cfg.Slot).Str("lsn", lsn).Msg("created replication slot: outbox rows committed before this LSN are not streamed")
+		log.Warn().Str("slot", cfg.Slot).Str("lsn", lsn).Bool("failover", num >= 170000).Msg("created replication slot: outbox rows committed before this LSN are not streamed")
 	}
 	return nil
 }

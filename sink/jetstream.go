@@ -105,6 +105,9 @@ type Publisher struct {
 	stats struct{ published, duplicates, errors atomic.Uint64 }
 
 	ackedSeq  atomic.Uint64 // highest stream sequence this process saw stored, in order
+	// forgetThrough: messages up to this sequence belong to a WAL history
+	// the server does not continue (see ForgetPositionsThrough).
+	forgetThrough atomic.Uint64
 	denyOnce  sync.Once
 	denied    chan struct{} // closed on the first permissions violation for our subjects
 	deniedErr error
@@ -300,7 +303,12 @@ func (s *Session) resume(ctx context.Context) error {
 		return &PermanentError{Err: fmt.Errorf("exactly-once: %w (seq %d, subject %s)", ErrForeignMessage, s.nextSeq, m.Subject),
 			Hint: "exactly-once mode needs jetbox to be the stream's only writer: stop the other publisher (or use --delivery=dedup), then restart jetbox"}
 	}
-	if !sameSource {
+	if s.nextSeq <= s.p.forgetThrough.Load() {
+		// An accepted lost history: its positions are not comparable.
+		s.p.log.Warn().Uint64("seq", s.nextSeq).Msg("exactly-once: the stream's last message belongs to an abandoned WAL history: skipping nothing by position")
+		return nil
+	}
+	if !sameWriter(m.Header.Get(HeaderSource), s.source) {
 		return &PermanentError{Err: fmt.Errorf("exactly-once: the stream's last message (seq %d) comes from %q, this jetbox reads %q", s.nextSeq, m.Header.Get(HeaderSource), s.source),
 			Hint: "positions from another database, slot, cluster or timeline (a failover, a PITR) are not comparable: give each jetbox its own stream; after a failover check the stream against the table, then use --delivery=dedup or a new stream"}
 	}
