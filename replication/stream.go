@@ -46,10 +46,11 @@ type Config struct {
 	HeartbeatInterval time.Duration // 0: no heartbeats
 	MonitorInterval   time.Duration // how often to read the slot's lag and retained WAL
 	MaxRetainedWAL    int64         // warn above this many retained WAL bytes; 0: off
+	Metrics           *metrics.Metrics
+
 	// AcceptLostRows: go on (with a warning) where the server does not
 	// continue the stream's history (see VerifyHistory) instead of stopping.
 	AcceptLostRows bool
-	Metrics           *metrics.Metrics
 }
 
 func (c Config) qualifiedTable() string { return c.Decoder.Schema + "." + c.Decoder.Table }

@@ -105,12 +105,13 @@ type Publisher struct {
 	stats struct{ published, duplicates, errors atomic.Uint64 }
 
 	ackedSeq  atomic.Uint64 // highest stream sequence this process saw stored, in order
-	// forgetThrough: messages up to this sequence belong to a WAL history
-	// the server does not continue (see ForgetPositionsThrough).
-	forgetThrough atomic.Uint64
 	denyOnce  sync.Once
 	denied    chan struct{} // closed on the first permissions violation for our subjects
 	deniedErr error
+
+	// forgetThrough: messages up to this sequence belong to a WAL history
+	// the server does not continue (see ForgetPositionsThrough).
+	forgetThrough atomic.Uint64
 }
 
 // New returns a publisher using nc, which the caller owns and closes.
