@@ -292,7 +292,10 @@ func (s *Session) resume(ctx context.Context) error {
 		return fmt.Errorf("exactly-once: read the stream's last message (seq %d): %w", s.nextSeq, err)
 	}
 	pos, ok := positionOf(m.Header)
-	sameSource := m.Header.Get(HeaderSource) == s.source
+	// The same system, database and slot: replication checked that the
+	// server's timeline continues the stream's (see sameWriter), unless an
+	// operator accepted a lost history.
+	sameSource := sameWriter(m.Header.Get(HeaderSource), s.source) && s.nextSeq > s.p.forgetThrough.Load()
 	s.prevID, s.prevPos = m.Header.Get(jetstream.MsgIDHeader), pos
 	if !s.p.cfg.ExactlyOnce {
 		// Without the order guard, rows after a refused one may be stored
@@ -309,7 +312,7 @@ func (s *Session) resume(ctx context.Context) error {
 		s.p.log.Warn().Uint64("seq", s.nextSeq).Msg("exactly-once: the stream's last message belongs to an abandoned WAL history: skipping nothing by position")
 		return nil
 	}
-	if !sameWriter(m.Header.Get(HeaderSource), s.source) {
+	if !sameSource {
 		return &PermanentError{Err: fmt.Errorf("exactly-once: the stream's last message (seq %d) comes from %q, this jetbox reads %q", s.nextSeq, m.Header.Get(HeaderSource), s.source),
 			Hint: "positions from another database, slot, cluster or timeline (a failover, a PITR) are not comparable: give each jetbox its own stream; after a failover check the stream against the table, then use --delivery=dedup or a new stream"}
 	}
@@ -346,7 +349,7 @@ func (s *Session) checkSinceLastAck(ctx context.Context, st jetstream.Stream, la
 		if err != nil {
 			return fmt.Errorf("exactly-once: read message seq %d: %w", seq, err)
 		}
-		if _, ok := positionOf(m.Header); !ok || m.Header.Get(HeaderSource) != s.source {
+		if _, ok := positionOf(m.Header); !ok || !sameWriter(m.Header.Get(HeaderSource), s.source) {
 			return &PermanentError{Err: fmt.Errorf("exactly-once: %w (seq %d, subject %s, after jetbox's seq %d)", ErrForeignMessage, seq, m.Subject, acked),
 				Hint: "exactly-once mode needs jetbox to be the stream's only writer: stop the other publisher (or use --delivery=dedup), then restart jetbox"}
 		}
