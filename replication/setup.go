@@ -32,6 +32,7 @@ func Check(ctx context.Context, connString string, cfg Config) ([]check.Finding,
 	tableOK := c.table()
 	pubExists := c.publication(tableOK)
 	c.slot(pubExists)
+	c.failover()
 	return l, nil
 }
 

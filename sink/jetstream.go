@@ -314,7 +314,7 @@ func (s *Session) resume(ctx context.Context) error {
 	}
 	if !sameSource {
 		return &PermanentError{Err: fmt.Errorf("exactly-once: the stream's last message (seq %d) comes from %q, this jetbox reads %q", s.nextSeq, m.Header.Get(HeaderSource), s.source),
-			Hint: "positions from another database, slot, cluster or timeline (a failover, a PITR) are not comparable: give each jetbox its own stream; after a failover check the stream against the table, then use --delivery=dedup or a new stream"}
+			Hint: "positions from another database, slot or cluster are not comparable: give each jetbox its own stream, or use --delivery=dedup"}
 	}
 	if err := s.checkSinceLastAck(ctx, st, s.nextSeq); err != nil {
 		return err

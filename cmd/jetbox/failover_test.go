@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -77,6 +78,21 @@ func TestFailoverWithFailoverSlots(t *testing.T) {
 			})
 			if got := strings.TrimSpace(queryString(t, f, "SELECT failover::text FROM pg_replication_slots WHERE slot_name = 'jetbox'")); got != "true" {
 				t.Fatalf("jetbox's slot has failover = %s", got)
+			}
+			if mode.name == "dedup" {
+				// jetbox check reports what the primary shows of it.
+				var out, errOut bytes.Buffer
+				if code := realMain([]string{"check", "--postgres-url=" + f.pgURL, "--nats-url=" + f.natURL}, &out, &errOut); code != exitOK {
+					t.Fatalf("check: exit %d:\n%s%s", code, out.String(), errOut.String())
+				}
+				for _, want := range []string{`slot "jetbox" has failover = true`, "synchronized_standby_slots = standby1"} {
+					if !strings.Contains(out.String(), want) {
+						t.Fatalf("check output lacks %q:\n%s", want, out.String())
+					}
+				}
+				if strings.Contains(out.String(), "hot_standby_feedback") {
+					t.Fatalf("check warns about hot_standby_feedback of a standby that sends it:\n%s", out.String())
+				}
 			}
 			f.progress(600, time.Minute)
 			promoted := failover(t, f, sb)
