@@ -254,7 +254,7 @@ func (c *checker) slot(pubExists bool) {
 		c.l.Add(check.Error, "postgres.slot", fmt.Sprintf("slot %q belongs to database %q, not %q", c.cfg.Slot, db, current), "connect to database "+db+" or set --slot to another name")
 	case walStatus == "lost":
 		c.l.Add(check.Error, "postgres.slot", fmt.Sprintf("slot %q is invalidated (wal_status = lost): Postgres removed WAL it still needed, so the outbox rows committed since its confirmed LSN %s can no longer be streamed", c.cfg.Slot, confirmed),
-			"follow the README runbook \"slot invalidated\": re-publish the rows committed since then from the table (same ids: dedup absorbs overlaps), then "+drop+" and restart jetbox")
+			"run `jetbox repair` with the same configuration, or follow the README runbook \"slot invalidated\": re-publish the rows committed since then from the table (same ids: dedup absorbs overlaps), then "+drop+" and restart jetbox")
 	case twoPhase:
 		c.l.Add(check.Error, "postgres.slot", fmt.Sprintf("slot %q has two_phase enabled: prepared transactions would be published before they commit", c.cfg.Slot), drop)
 	default:
