@@ -191,6 +191,8 @@ func (f *fakeWAL) serve(n int, conn net.Conn) error {
 				lsn := f.confirmed
 				f.mu.Unlock()
 				rows(be, []string{"coalesce"}, []string{lsn.String()})
+			case strings.HasPrefix(m.String, "SELECT coalesce(wal_status, '')"):
+				rows(be, []string{"wal_status"}, []string{"reserved"})
 			case strings.HasPrefix(m.String, "SELECT coalesce(to_regclass("):
 				rows(be, []string{"oid", "lsn"}, []string{strconv.Itoa(outboxRelID), "0/1000000"})
 			case m.String == "IDENTIFY_SYSTEM":

@@ -33,6 +33,7 @@ func Check(ctx context.Context, connString string, cfg Config) ([]check.Finding,
 	pubExists := c.publication(tableOK)
 	c.slot(pubExists)
 	c.repairMarker()
+	c.failover()
 	return l, nil
 }
 
@@ -254,7 +255,7 @@ func (c *checker) slot(pubExists bool) {
 		c.l.Add(check.Error, "postgres.slot", fmt.Sprintf("slot %q belongs to database %q, not %q", c.cfg.Slot, db, current), "connect to database "+db+" or set --slot to another name")
 	case walStatus == "lost":
 		c.l.Add(check.Error, "postgres.slot", fmt.Sprintf("slot %q is invalidated (wal_status = lost): Postgres removed WAL it still needed, so the outbox rows committed since its confirmed LSN %s can no longer be streamed", c.cfg.Slot, confirmed),
-			"follow the README runbook \"slot invalidated\": re-publish the rows committed since then from the table (same ids: dedup absorbs overlaps), then "+drop+" and restart jetbox")
+			"run `jetbox repair` with the same configuration, or follow the README runbook \"slot invalidated\": re-publish the rows committed since then from the table (same ids: dedup absorbs overlaps), then "+drop+" and restart jetbox")
 	case twoPhase:
 		c.l.Add(check.Error, "postgres.slot", fmt.Sprintf("slot %q has two_phase enabled: prepared transactions would be published before they commit", c.cfg.Slot), drop)
 	default:
@@ -298,14 +299,24 @@ func Ensure(ctx context.Context, connString string, cfg Config, log zerolog.Logg
 	}
 	if n == 0 {
 		var lsn string
-		err := conn.QueryRow(ctx, "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput', false)", cfg.Slot).Scan(&lsn)
+		var num int
+		if err := conn.QueryRow(ctx, "SELECT current_setting('server_version_num')::int").Scan(&num); err != nil {
+			return fmt.Errorf("read server version: %w", err)
+		}
+		create := "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput', false)"
+		if num >= 170000 {
+			// A failover slot: standbys with sync_replication_slots keep a
+			// copy, so the slot survives a promotion (see the README).
+			create = "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput', false, false, true)"
+		}
+		err := conn.QueryRow(ctx, create, cfg.Slot).Scan(&lsn)
 		if isDuplicate(err) {
 			return nil // another instance created it just now
 		}
 		if err != nil {
 			return fmt.Errorf("create replication slot %q: %w", cfg.Slot, err)
 		}
-		log.Warn().Str("slot", cfg.Slot).Str("lsn", lsn).Msg("created replication slot: outbox rows committed before this LSN are not streamed")
+		log.Warn().Str("slot", cfg.Slot).Str("lsn", lsn).Bool("failover", num >= 170000).Msg("created replication slot: outbox rows committed before this LSN are not streamed")
 	}
 	return nil
 }

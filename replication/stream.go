@@ -48,6 +48,10 @@ type Config struct {
 	MonitorInterval   time.Duration // how often to read the slot's lag and retained WAL (< 0: no monitor)
 	MaxRetainedWAL    int64         // warn above this many retained WAL bytes; 0: off
 	Metrics           *metrics.Metrics
+
+	// AcceptLostRows: go on (with a warning) where the server does not
+	// continue the stream's history (see VerifyHistory) instead of stopping.
+	AcceptLostRows bool
 }
 
 func (c Config) qualifiedTable() string { return c.Decoder.Schema + "." + c.Decoder.Table }
@@ -102,16 +106,9 @@ type Streamer struct {
 
 // New returns a streamer for the database at connString.
 func New(connString string, cfg Config, sink Sink, log zerolog.Logger) (*Streamer, error) {
-	cc, err := pgconn.ParseConfig(connString)
+	cc, err := replicationConfig(connString)
 	if err != nil {
-		return nil, fmt.Errorf("parse postgres URL: %w", err)
-	}
-	cc.RuntimeParams["replication"] = "database"
-	cc.RuntimeParams["application_name"] = "jetbox"
-	// Text output depends on the walsender session's settings: pin them.
-	for k, v := range map[string]string{"DateStyle": "ISO", "IntervalStyle": "postgres", "TimeZone": "UTC",
-		"bytea_output": "hex", "extra_float_digits": "3", "client_encoding": "UTF8"} {
-		cc.RuntimeParams[k] = v
+		return nil, err
 	}
 	if cfg.StatusInterval <= 0 {
 		cfg.StatusInterval = time.Second
@@ -143,6 +140,22 @@ func New(connString string, cfg Config, sink Sink, log zerolog.Logger) (*Streame
 	s.fatal = make(chan error, 1)
 	s.setState(metrics.StateStarting)
 	return s, nil
+}
+
+// replicationConfig is the walsender connection's configuration.
+func replicationConfig(connString string) (*pgconn.Config, error) {
+	cc, err := pgconn.ParseConfig(connString)
+	if err != nil {
+		return nil, fmt.Errorf("parse postgres URL: %w", err)
+	}
+	cc.RuntimeParams["replication"] = "database"
+	cc.RuntimeParams["application_name"] = "jetbox"
+	// Text output depends on the walsender session's settings: pin them.
+	for k, v := range map[string]string{"DateStyle": "ISO", "IntervalStyle": "postgres", "TimeZone": "UTC",
+		"bytea_output": "hex", "extra_float_digits": "3", "client_encoding": "UTF8"} {
+		cc.RuntimeParams[k] = v
+	}
+	return cc, nil
 }
 
 func (s *Streamer) setState(state string) {
@@ -274,16 +287,20 @@ func (s *Streamer) session(ctx context.Context) (err error) {
 		conn.Close(cctx)
 	}()
 
-	start, err := slotPosition(sctx, conn, s.cfg.Slot)
+	// Never start a new history silently: the server must continue the
+	// stream's (slot kept, no rewind, a timeline that branched after it).
+	ts, _ := s.sink.(TipSource)
+	srv, err := checkHistory(sctx, conn, s.cfg, ts, s.log)
 	if err != nil {
 		return err
 	}
 	if err := s.checkOutboxOID(sctx, conn); err != nil {
 		return err
 	}
-	sys, err := pglogrepl.IdentifySystem(sctx, conn)
+	sys := srv.sys
+	start, err := slotPosition(sctx, conn, s.cfg.Slot)
 	if err != nil {
-		return fmt.Errorf("identify system: %w", err)
+		return err
 	}
 	source := sourceOf(sys, s.cfg.Slot)
 	// Open the sink before streaming starts: no walsender waits on us yet.

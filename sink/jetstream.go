@@ -108,6 +108,10 @@ type Publisher struct {
 	denyOnce  sync.Once
 	denied    chan struct{} // closed on the first permissions violation for our subjects
 	deniedErr error
+
+	// forgetThrough: messages up to this sequence belong to a WAL history
+	// the server does not continue (see ForgetPositionsThrough).
+	forgetThrough atomic.Uint64
 }
 
 // New returns a publisher using nc, which the caller owns and closes.
@@ -289,7 +293,10 @@ func (s *Session) resume(ctx context.Context) error {
 		return fmt.Errorf("exactly-once: read the stream's last message (seq %d): %w", s.nextSeq, err)
 	}
 	pos, ok := positionOf(m.Header)
-	sameSource := m.Header.Get(HeaderSource) == s.source
+	// The same system, database and slot: replication checked that the
+	// server's timeline continues the stream's (see sameWriter), unless an
+	// operator accepted a lost history.
+	sameSource := sameWriter(m.Header.Get(HeaderSource), s.source) && s.nextSeq > s.p.forgetThrough.Load()
 	s.prevID, s.prevPos = m.Header.Get(jetstream.MsgIDHeader), pos
 	if !s.p.cfg.ExactlyOnce {
 		// Without the order guard, rows after a refused one may be stored
@@ -301,16 +308,22 @@ func (s *Session) resume(ctx context.Context) error {
 		return &PermanentError{Err: fmt.Errorf("exactly-once: %w (seq %d, subject %s)", ErrForeignMessage, s.nextSeq, m.Subject),
 			Hint: "exactly-once mode needs jetbox to be the stream's only writer: stop the other publisher (or use --delivery=dedup), then restart jetbox"}
 	}
-	if !sameSource && s.repair {
+	if s.repair {
 		// jetbox repair starts the new slot's history: nothing of it is in
-		// the stream yet, so nothing is skipped by position.
+		// the stream yet, so nothing is skipped by position (after a rewind
+		// or a lost tail the stream's positions may even sort after it).
 		s.lastID = m.Header.Get(jetstream.MsgIDHeader)
-		s.p.log.Info().Uint64("seq", s.nextSeq).Str("last_source", m.Header.Get(HeaderSource)).Msg("exactly-once repair: the stream's last message comes from another source")
+		s.p.log.Info().Uint64("seq", s.nextSeq).Str("last_source", m.Header.Get(HeaderSource)).Msg("exactly-once repair: publishing the rows the stream misses, skipping nothing by position")
+		return nil
+	}
+	if s.nextSeq <= s.p.forgetThrough.Load() {
+		// An accepted lost history: its positions are not comparable.
+		s.p.log.Warn().Uint64("seq", s.nextSeq).Msg("exactly-once: the stream's last message belongs to an abandoned WAL history: skipping nothing by position")
 		return nil
 	}
 	if !sameSource {
 		return &PermanentError{Err: fmt.Errorf("exactly-once: the stream's last message (seq %d) comes from %q, this jetbox reads %q", s.nextSeq, m.Header.Get(HeaderSource), s.source),
-			Hint: "positions from another database, slot, cluster or timeline (a failover, a PITR) are not comparable: give each jetbox its own stream; after a failover check the stream against the table, then use --delivery=dedup or a new stream"}
+			Hint: "positions from another database, slot or cluster are not comparable: give each jetbox its own stream, or use --delivery=dedup"}
 	}
 	if err := s.checkSinceLastAck(ctx, st, s.nextSeq); err != nil {
 		return err
@@ -345,7 +358,7 @@ func (s *Session) checkSinceLastAck(ctx context.Context, st jetstream.Stream, la
 		if err != nil {
 			return fmt.Errorf("exactly-once: read message seq %d: %w", seq, err)
 		}
-		if _, ok := positionOf(m.Header); !ok || m.Header.Get(HeaderSource) != s.source {
+		if _, ok := positionOf(m.Header); !ok || !sameWriter(m.Header.Get(HeaderSource), s.source) {
 			return &PermanentError{Err: fmt.Errorf("exactly-once: %w (seq %d, subject %s, after jetbox's seq %d)", ErrForeignMessage, seq, m.Subject, acked),
 				Hint: "exactly-once mode needs jetbox to be the stream's only writer: stop the other publisher (or use --delivery=dedup), then restart jetbox"}
 		}

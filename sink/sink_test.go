@@ -241,8 +241,9 @@ func TestSessionCloseConcurrent(t *testing.T) {
 }
 
 // TestExactlyOnceRefusesAnotherSource: positions from another WAL history
-// (another database, slot, cluster or timeline) are not comparable, so
-// exactly-once mode refuses to resume after them instead of skipping events.
+// (another database, slot or cluster) are not comparable, so exactly-once
+// mode refuses to resume after them instead of skipping events; another
+// timeline of the same writer is left to replication's history check.
 func TestExactlyOnceRefusesAnotherSource(t *testing.T) {
 	n := testenv.StartNATS(t)
 	cfg := baseConfig()
@@ -270,10 +271,19 @@ func TestExactlyOnceRefusesAnotherSource(t *testing.T) {
 	} else {
 		_ = s.Close(context.Background())
 	}
-	_, err = p.Open(context.Background(), "sys/2/app/jetbox") // a new timeline after a failover
-	var pe *sink.PermanentError
-	if !errors.As(err, &pe) || !strings.Contains(err.Error(), "not comparable") {
-		t.Fatalf("another source accepted: %v", err)
+	// A new timeline of the same system, database and slot (a failover):
+	// replication checked it continues the stream before the session opens.
+	if s, err := p.Open(context.Background(), "sys/2/app/jetbox"); err != nil {
+		t.Fatalf("the same writer on a new timeline refused: %v", err)
+	} else {
+		_ = s.Close(context.Background())
+	}
+	for _, other := range []string{"other/1/app/jetbox", "sys/1/other/jetbox", "sys/1/app/other"} {
+		_, err = p.Open(context.Background(), other)
+		var pe *sink.PermanentError
+		if !errors.As(err, &pe) || !strings.Contains(err.Error(), "not comparable") {
+			t.Fatalf("another source %s accepted: %v", other, err)
+		}
 	}
 }
 

@@ -67,6 +67,7 @@ type RunFlags struct {
 	OnInvalid        string `name:"on-invalid" env:"JETBOX_ON_INVALID" default:"stop" help:"A row that cannot be published: stop (exit 1, slot kept before it) or dead-letter (publish it to --dead-letter-subject.<reason> and go on)."`
 	DeadLetterSubj   string `name:"dead-letter-subject" env:"JETBOX_DEAD_LETTER_SUBJECT" help:"With --on-invalid=dead-letter: subject prefix for dead letters, captured by the stream. Default <subject-prefix>._dlq." placeholder:"SUBJECT"`
 	OrderGuard       string `name:"order-guard" env:"JETBOX_ORDER_GUARD" default:"true" help:"Send Nats-Expected-Last-Sequence so the stream never holds a gap or reordering (needs jetbox to be the stream's only writer)."`
+	AcceptLostRows   string `name:"accept-lost-rows" env:"JETBOX_ACCEPT_LOST_ROWS" default:"false" help:"Go on where the server does not continue the stream's history (its slot is lost after a failover or drop, its WAL is behind the stream after a restore, its timeline branched before the stream's last row) instead of stopping with exit 2. Rows committed in between may then be missing: prefer jetbox repair."`
 	StatusInterval   string `name:"status-interval" env:"JETBOX_STATUS_INTERVAL" default:"1s" help:"Standby status update period."`
 	PostgresTimeout  string `name:"postgres-timeout" env:"JETBOX_POSTGRES_TIMEOUT" default:"30s" help:"Reconnect when Postgres sends nothing for this long."`
 	ShutdownTimeout  string `name:"shutdown-timeout" env:"JETBOX_SHUTDOWN_TIMEOUT" default:"10s" help:"On stop, wait this long for in-flight acks."`
@@ -272,6 +273,10 @@ func (f *RunFlags) Config() (Config, error) {
 		bad("atomic-transactions", f.AtomicTx, "needs --delivery=exactly-once: JetStream refuses a whole atomic batch that holds an id it already stored, so replays must be skipped by position, not deduplicated",
 			"add --delivery=exactly-once (jetbox must then be the stream's only writer), or drop --atomic-transactions")
 	}
+	acceptLost, err := strconv.ParseBool(f.AcceptLostRows)
+	if err != nil {
+		bad("accept-lost-rows", f.AcceptLostRows, "not a boolean", "use true or false")
+	}
 	deadLetter := ""
 	switch f.OnInvalid {
 	case "stop":
@@ -315,6 +320,7 @@ func (f *RunFlags) Config() (Config, error) {
 		HeartbeatInterval: heartbeat,
 		MaxRetainedWAL:    int64(maxRetained),
 		MonitorInterval:   monitorInterval,
+		AcceptLostRows:    acceptLost,
 	}
 	c.Sink = sink.Config{Stream: f.Stream, SubjectPrefix: f.SubjectPrefix, DuplicateWindow: dupWindow,
 		PublishTimeout: publishTimeout, MaxPending: maxInFlight, OrderGuard: orderGuard, ExactlyOnce: f.Delivery == "exactly-once", DeadLetterSubject: deadLetter,

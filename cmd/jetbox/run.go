@@ -88,6 +88,12 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 		log.Warn().Msg("--order-guard=false: after a lost publish, later events may be stored before it is republished (out of commit order)")
 	}
 	err = streamer.Run(ctx)
+	var he *replication.HistoryError
+	if errors.As(err, &he) {
+		log.Error().Err(err).Str("case", he.Case).Str("after_commit_time", he.Tip.CommitTime).Str("after_lsn", he.Tip.CommitLSN.String()).Msg("the server does not continue the stream's history")
+		fmt.Fprintln(stderr, "jetbox:", err)
+		return exitConfig
+	}
 	st := pub.Stats()
 	ev := log.Info()
 	next := ""
@@ -143,6 +149,15 @@ type sinkAdapter struct {
 	atomic bool
 }
 
+// Tip reads the stream's last jetbox message (see replication.TipSource).
+func (a sinkAdapter) Tip(ctx context.Context) (replication.StreamTip, bool, error) {
+	t, ok, err := a.p.Tip(ctx)
+	return replication.StreamTip{Seq: t.Seq, Source: t.Source, CommitLSN: t.CommitLSN, CommitTime: t.CommitTime}, ok, err
+}
+
+// Forget abandons the positions of an accepted lost history.
+func (a sinkAdapter) Forget(t replication.StreamTip) { a.p.ForgetPositionsThrough(t.Seq) }
+
 func (a sinkAdapter) Open(ctx context.Context, source string) (replication.Session, error) {
 	if a.atomic {
 		s, err := a.p.OpenAtomic(ctx, source)
@@ -176,6 +191,11 @@ func preflight(ctx context.Context, cfg Config, log zerolog.Logger) (*nats.Conn,
 			err := ensureAll(ctx, cfg, r.pub, log)
 			if err == nil {
 				return r.nc, r.pub, nil
+			}
+			var he *replication.HistoryError
+			if errors.As(err, &he) {
+				r.nc.Close()
+				return nil, nil, err
 			}
 			// A server went away between the checks and the creations (or
 			// another instance raced us): check everything again.
@@ -211,6 +231,10 @@ func preflight(ctx context.Context, cfg Config, log zerolog.Logger) (*nats.Conn,
 func ensureAll(ctx context.Context, cfg Config, pub *sink.Publisher, log zerolog.Logger) error {
 	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
+	// Before a missing slot is created: is this a first start?
+	if err := replication.VerifyHistory(sctx, cfg.PostgresURL, cfg.Replication, sinkAdapter{p: pub}, log); err != nil {
+		return err
+	}
 	if err := replication.Ensure(sctx, cfg.PostgresURL, cfg.Replication, log); err != nil {
 		return err
 	}

@@ -1,0 +1,200 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jetbox-dev/jetbox/internal/testenv"
+)
+
+// haFixture is a fixture whose Postgres has a streaming standby. jetbox,
+// the writers and the test's own connections use a multi-host URL with
+// target_session_attrs=read-write: whichever server is the primary.
+//
+// The oracle slot is made before the standby's copy, so the standby holds
+// its own copy (a failover slot that never advances would stay temporary on
+// the standby, not synchronised): after a promotion it decodes the promoted
+// server's WAL from the start, the old timeline then the new one.
+func haFixture(t *testing.T) (*fixture, *oracle, *testenv.Postgres, int) {
+	f := newFixture(t)
+	major := f.pg.Major(t)
+	o := f.newOracle()
+	sb := testenv.StartStandby(t, f.pg)
+	url := fmt.Sprintf("postgres://postgres@127.0.0.1:%d,127.0.0.1:%d/postgres?sslmode=disable&target_session_attrs=read-write", f.pg.Port(), sb.Port())
+	f.pg.DSN, f.pgURL = url, url
+	f.env = append(f.env, "JETBOX_POSTGRES_TIMEOUT=10s", "JETBOX_STATUS_INTERVAL=500ms")
+	return f, o, sb, major
+}
+
+// failover kills the primary (pg_ctl stop -m immediate: a crash) and
+// promotes the standby; it returns, once the standby accepts writes, when
+// the promotion was asked for.
+func failover(t *testing.T, f *fixture, sb *testenv.Postgres) time.Time {
+	f.pg.Stop("immediate")
+	asked := time.Now()
+	sb.Promote(t)
+	return asked
+}
+
+// TestFailoverWithFailoverSlots (PostgreSQL 17+): a primary with a streaming
+// standby that synchronises failover slots (jetbox creates its slot with
+// failover enabled; the primary waits for the standby before decoding,
+// synchronized_standby_slots). Writers commit while the primary is killed
+// and the standby promoted; jetbox, given both hosts, follows to the new
+// primary on its new timeline (restarted if it exits, as an orchestrator
+// would, and once more killed and restarted on the new timeline). The stream then equals the promoted server's outbox, each row
+// once, in commit order (the oracle slot was copied to the standby), in both
+// delivery modes. The time from the promotion to the first event stored from
+// the new primary is logged.
+func TestFailoverWithFailoverSlots(t *testing.T) {
+	for _, mode := range deliveryModes {
+		t.Run(mode.name, func(t *testing.T) {
+			f, o, sb, major := haFixture(t)
+			if major < 17 {
+				t.Skipf("PostgreSQL %d has no failover slots (17+): run with JETBOX_PG_BINDIR=$(.ci/fetch-postgres 17)", major)
+			}
+			p := f.start(mode.env)
+			f.waitStreaming(p)
+			l := f.startLoad(3, 5*time.Millisecond, 1_000_000)
+			defer l.stop()
+			f.progress(300, time.Minute)
+			// jetbox's slot synchronised and persisted on the standby.
+			sconn := sb.Conn(t)
+			testenv.WaitFor(t, 2*time.Minute, func() error {
+				var n int
+				if err := sconn.QueryRow(ctxT(t, 5*time.Second), `SELECT count(*) FROM pg_replication_slots
+					WHERE slot_name = 'jetbox' AND synced AND NOT temporary`).Scan(&n); err != nil {
+					return err
+				}
+				if n != 1 {
+					return errors.New("jetbox's slot not synchronised on the standby")
+				}
+				return nil
+			})
+			if got := strings.TrimSpace(queryString(t, f, "SELECT failover::text FROM pg_replication_slots WHERE slot_name = 'jetbox'")); got != "true" {
+				t.Fatalf("jetbox's slot has failover = %s", got)
+			}
+			if mode.name == "dedup" {
+				// jetbox check reports what the primary shows of it.
+				var out, errOut bytes.Buffer
+				if code := realMain([]string{"check", "--postgres-url=" + f.pgURL, "--nats-url=" + f.natURL}, &out, &errOut); code != exitOK {
+					t.Fatalf("check: exit %d:\n%s%s", code, out.String(), errOut.String())
+				}
+				for _, want := range []string{`slot "jetbox" has failover = true`, "synchronized_standby_slots = standby1"} {
+					if !strings.Contains(out.String(), want) {
+						t.Fatalf("check output lacks %q:\n%s", want, out.String())
+					}
+				}
+				if strings.Contains(out.String(), "hot_standby_feedback") {
+					t.Fatalf("check warns about hot_standby_feedback of a standby that sends it:\n%s", out.String())
+				}
+			}
+			f.progress(600, time.Minute)
+			promoted := failover(t, f, sb)
+
+			// jetbox follows: an event from the new timeline is stored.
+			var exits []int
+			testenv.WaitFor(t, 2*time.Minute, func() error {
+				select {
+				case <-p.done:
+					if p.code == exitConfig {
+						t.Fatalf("jetbox refused the promoted server:\n%s", p.tail(4096))
+					}
+					exits = append(exits, p.code)
+					p = f.start(mode.env)
+				default:
+				}
+				ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+				defer cancel()
+				st, err := f.js.Stream(ctx, "OUTBOX")
+				if err != nil {
+					return err
+				}
+				m, err := st.GetLastMsgForSubject(ctx, "outbox.>")
+				if err != nil {
+					return err
+				}
+				if src := m.Header.Get("Jetbox-Source"); strings.Split(src, "/")[1] == "1" {
+					return fmt.Errorf("last event from %s", src)
+				}
+				return nil
+			})
+			// Restarted on the new timeline (its start-up checks the
+			// history too), it goes on.
+			p.kill()
+			p = f.start(mode.env)
+			f.waitStreaming(p)
+			f.progress(0, time.Minute)
+			want := f.finish(l, o)
+			var rows int
+			must(t, f.conn().QueryRow(ctxT(t, 10*time.Second), "SELECT count(*) FROM outbox").Scan(&rows))
+			if rows != len(want) {
+				t.Fatalf("the promoted server's outbox holds %d rows, its oracle %d", rows, len(want))
+			}
+			t.Logf("%s: promotion (pg_promote asked) to the first event stored from the new primary: %s; jetbox exits meanwhile (restarted): %d", mode.name, firstFromNewTimeline(t, f, promoted).Round(time.Millisecond), len(exits))
+			if code := p.stop(); code != exitOK {
+				t.Fatalf("exit %d:\n%s", code, p.tail(4096))
+			}
+		})
+	}
+}
+
+// TestFailoverWithoutFailoverSlots (PostgreSQL before 17: no failover
+// slots): the same failover leaves the promoted server without jetbox's
+// slot, and the stream holds rows from the old primary: jetbox stops with
+// the lost-slot error (exit 2, naming jetbox repair) instead of creating a
+// new slot past the rows lost in between.
+func TestFailoverWithoutFailoverSlots(t *testing.T) {
+	for _, mode := range deliveryModes {
+		t.Run(mode.name, func(t *testing.T) {
+			f, _, sb, major := haFixture(t)
+			if major >= 17 {
+				t.Skipf("PostgreSQL %d has failover slots: TestFailoverWithFailoverSlots covers it", major)
+			}
+			p := f.start(mode.env)
+			f.waitStreaming(p)
+			l := f.startLoad(3, 5*time.Millisecond, 1_000_000)
+			defer l.stop()
+			f.progress(300, time.Minute)
+			failover(t, f, sb)
+			p.waitExit(exitConfig, "lost-slot:", `replication slot "jetbox" does not exist`, "jetbox repair")
+			// A restart (an orchestrator's) refuses too, and creates no slot.
+			p = f.start(mode.env)
+			p.waitExit(exitConfig, "lost-slot:", "jetbox repair")
+			var n int
+			must(t, f.conn().QueryRow(ctxT(t, 10*time.Second), "SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'jetbox'").Scan(&n))
+			if n != 0 {
+				t.Fatal("jetbox created a slot on the promoted server")
+			}
+		})
+	}
+}
+
+// firstFromNewTimeline returns when the stream stored its first message
+// from a timeline after 1, relative to since.
+func firstFromNewTimeline(t *testing.T, f *fixture, since time.Time) time.Duration {
+	t.Helper()
+	for _, m := range testenv.ReadStream(t, f.js, "OUTBOX", true) {
+		if strings.Split(m.Header.Get("Jetbox-Source"), "/")[1] != "1" {
+			st, err := f.js.Stream(ctxT(t, 5*time.Second), "OUTBOX")
+			must(t, err)
+			raw, err := st.GetMsg(ctxT(t, 5*time.Second), m.Seq)
+			must(t, err)
+			return raw.Time.Sub(since)
+		}
+	}
+	t.Fatal("no message from the new timeline")
+	return 0
+}
+
+func queryString(t *testing.T, f *fixture, sql string) string {
+	t.Helper()
+	var s string
+	must(t, f.conn().QueryRow(ctxT(t, 10*time.Second), sql).Scan(&s))
+	return s
+}

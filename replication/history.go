@@ -1,0 +1,236 @@
+package replication
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/rs/zerolog"
+)
+
+// StreamTip is where the stream's history of this database ends: its last
+// jetbox message (see sink.Tip).
+type StreamTip struct {
+	Seq        uint64
+	Source     string // Jetbox-Source: <system id>/<timeline>/<database>/<slot>
+	CommitLSN  pglogrepl.LSN
+	CommitTime string
+}
+
+// TipSource is a Sink that can read the stream's tip. The streamer compares
+// it with the server at every session open (see VerifyHistory); with
+// AcceptLostRows, Forget is called with the tip an accepted loss abandons.
+type TipSource interface {
+	Tip(ctx context.Context) (StreamTip, bool, error)
+	Forget(tip StreamTip)
+}
+
+// History cases: why the stream's history and the server's part.
+const (
+	CaseLostSlot = "lost-slot" // the stream holds rows of this database, the slot is gone
+	CaseRewind   = "rewind"    // the stream is ahead of the server's WAL on the same timeline
+	CaseTimeline = "timeline"  // the server's timeline does not continue the stream's after its last row
+)
+
+// HistoryError says the server cannot continue the stream's history: rows
+// committed after the stream's last one may be missing, and only a repair
+// from the table can tell. jetbox stops on it (exit 2).
+type HistoryError struct {
+	Case   string
+	Tip    StreamTip
+	Detail string
+}
+
+func (e *HistoryError) Error() string {
+	return fmt.Sprintf("%s: %s; outbox rows committed after %s (commit LSN %s, the stream's last jetbox message, seq %d) may be missing from the stream: "+
+		"run `jetbox repair` with the same configuration to re-publish them from the table, then start jetbox again "+
+		"(or, to accept the loss, restart with --accept-lost-rows)", e.Case, e.Detail, e.Tip.CommitTime, e.Tip.CommitLSN, e.Tip.Seq)
+}
+
+// Permanent marks the error as one to stop on.
+func (e *HistoryError) Permanent() bool { return true }
+
+// source is a parsed Jetbox-Source.
+type source struct {
+	systemID string
+	timeline int32
+	db, slot string
+}
+
+func parseSource(s string) (source, bool) {
+	parts := strings.Split(s, "/")
+	if len(parts) != 4 {
+		return source{}, false
+	}
+	tl, err := strconv.ParseInt(parts[1], 10, 32)
+	if err != nil {
+		return source{}, false
+	}
+	return source{systemID: parts[0], timeline: int32(tl), db: parts[2], slot: parts[3]}, true
+}
+
+// server is what VerifyHistory needs to know about Postgres.
+type server struct {
+	sys      pglogrepl.IdentifySystemResult
+	slot     bool // the slot exists and is not invalidated
+	lostSlot bool // the slot exists but is invalidated
+	history  func(ctx context.Context, timeline int32) ([]byte, error)
+}
+
+// verify compares the stream's tip with the server; a nil error means the
+// server continues the stream's history (or the stream holds no jetbox
+// message from this database: a first start).
+func verify(ctx context.Context, tip StreamTip, haveTip bool, srv server, slot string) error {
+	if !haveTip {
+		return nil
+	}
+	src, ok := parseSource(tip.Source)
+	if !ok || src.systemID != srv.sys.SystemID || src.db != srv.sys.DBName || src.slot != slot {
+		return nil // not this database's history
+	}
+	if !srv.slot {
+		what := "does not exist"
+		if srv.lostSlot {
+			what = "is invalidated (wal_status lost)"
+		}
+		return &HistoryError{Case: CaseLostSlot, Tip: tip, Detail: fmt.Sprintf(
+			"replication slot %q %s on this server (timeline %d) while the stream holds jetbox messages from it (a failover to a server without the slot, or the slot was dropped): a new slot would start at the server's current position",
+			slot, what, srv.sys.Timeline)}
+	}
+	if src.timeline == srv.sys.Timeline {
+		if tip.CommitLSN >= srv.sys.XLogPos {
+			return &HistoryError{Case: CaseRewind, Tip: tip, Detail: fmt.Sprintf(
+				"the stream's last position %s is ahead of the server's WAL position %s on the same timeline %d (the server was restored from a snapshot or backup, or rewound): rows committed since reuse positions the stream already holds",
+				tip.CommitLSN, srv.sys.XLogPos, srv.sys.Timeline)}
+		}
+		return nil
+	}
+	if src.timeline > srv.sys.Timeline {
+		return &HistoryError{Case: CaseTimeline, Tip: tip, Detail: fmt.Sprintf(
+			"the server is on timeline %d, older than the stream's timeline %d (restored from before a failover?)", srv.sys.Timeline, src.timeline)}
+	}
+	content, err := srv.history(ctx, srv.sys.Timeline)
+	if err != nil {
+		return fmt.Errorf("read the history of timeline %d: %w", srv.sys.Timeline, err)
+	}
+	switchpoint, found, err := branchPoint(content, src.timeline)
+	if err != nil {
+		return fmt.Errorf("timeline %d history: %w", srv.sys.Timeline, err)
+	}
+	if !found {
+		return &HistoryError{Case: CaseTimeline, Tip: tip, Detail: fmt.Sprintf(
+			"the server's timeline %d does not descend from the stream's timeline %d", srv.sys.Timeline, src.timeline)}
+	}
+	// The switch point is a record boundary: the commit record starting at
+	// the tip's LSN is on the new timeline only if it starts before it.
+	if switchpoint <= tip.CommitLSN {
+		return &HistoryError{Case: CaseTimeline, Tip: tip, Detail: fmt.Sprintf(
+			"the server's timeline %d branched from the stream's timeline %d at %s, before the stream's last position %s (a failover lost transactions the stream holds; rows committed since reuse their positions)",
+			srv.sys.Timeline, src.timeline, switchpoint, tip.CommitLSN)}
+	}
+	return nil
+}
+
+// branchPoint finds in a timeline history file where timeline tl ended
+// (the lines are "<parent timeline>\t<switch point>\t<reason>").
+func branchPoint(content []byte, tl int32) (pglogrepl.LSN, bool, error) {
+	sc := bufio.NewScanner(bytes.NewReader(content))
+	for sc.Scan() {
+		line := strings.TrimSpace(sc.Text())
+		if line == "" || strings.HasPrefix(line, "#") {
+			continue
+		}
+		f := strings.Fields(line)
+		if len(f) < 2 {
+			return 0, false, fmt.Errorf("malformed line %q", line)
+		}
+		parent, err := strconv.ParseInt(f[0], 10, 32)
+		if err != nil {
+			return 0, false, fmt.Errorf("malformed line %q: %w", line, err)
+		}
+		if int32(parent) != tl {
+			continue
+		}
+		lsn, err := pglogrepl.ParseLSN(f[1])
+		if err != nil {
+			return 0, false, fmt.Errorf("malformed line %q: %w", line, err)
+		}
+		return lsn, true, nil
+	}
+	return 0, false, sc.Err()
+}
+
+// readServer gathers, over a replication connection, what verify needs.
+func readServer(ctx context.Context, conn *pgconn.PgConn, slot string) (server, error) {
+	sys, err := pglogrepl.IdentifySystem(ctx, conn)
+	if err != nil {
+		return server{}, fmt.Errorf("identify system: %w", err)
+	}
+	res, err := conn.Exec(ctx, "SELECT coalesce(wal_status, '') FROM pg_replication_slots WHERE slot_name = "+quoteLiteral(slot)).ReadAll()
+	if err != nil {
+		return server{}, fmt.Errorf("read slot %q: %w", slot, err)
+	}
+	srv := server{sys: sys, history: func(ctx context.Context, tl int32) ([]byte, error) {
+		h, err := pglogrepl.TimelineHistory(ctx, conn, tl)
+		return h.Content, err
+	}}
+	if len(res) == 1 && len(res[0].Rows) == 1 {
+		srv.lostSlot = string(res[0].Rows[0][0]) == "lost"
+		srv.slot = !srv.lostSlot
+	}
+	return srv, nil
+}
+
+// checkHistory runs verify on conn; with accept it logs the loss and, for a
+// rewind or timeline break, has the sink forget the abandoned positions.
+func checkHistory(ctx context.Context, conn *pgconn.PgConn, cfg Config, ts TipSource, log zerolog.Logger) (server, error) {
+	// The tip first, then the server: the server's position is then at
+	// least any position the stream holds (another instance may publish
+	// meanwhile).
+	var tip StreamTip
+	var ok bool
+	if ts != nil {
+		var err error
+		if tip, ok, err = ts.Tip(ctx); err != nil {
+			return server{}, fmt.Errorf("read the stream's last jetbox message: %w", err)
+		}
+	}
+	srv, err := readServer(ctx, conn, cfg.Slot)
+	if err != nil {
+		return srv, err
+	}
+	err = verify(ctx, tip, ok, srv, cfg.Slot)
+	var he *HistoryError
+	if errors.As(err, &he) && cfg.AcceptLostRows {
+		log.Warn().Str("case", he.Case).Str("after_commit_time", tip.CommitTime).Str("after_lsn", tip.CommitLSN.String()).
+			Str("detail", he.Detail).Msg("--accept-lost-rows: going on; rows committed after this point may be missing from the stream (jetbox repair re-publishes them from the table)")
+		ts.Forget(tip)
+		return srv, nil
+	}
+	return srv, err
+}
+
+// VerifyHistory compares the stream's tip (from ts) with the server before
+// jetbox creates anything: a missing slot is created only on a first start
+// (the stream holds no jetbox message from this database), and a server
+// that does not continue the stream's history stops jetbox with a
+// *HistoryError, unless cfg.AcceptLostRows.
+func VerifyHistory(ctx context.Context, connString string, cfg Config, ts TipSource, log zerolog.Logger) error {
+	cc, err := replicationConfig(connString)
+	if err != nil {
+		return err
+	}
+	conn, err := pgconn.ConnectConfig(ctx, cc)
+	if err != nil {
+		return fmt.Errorf("%w: connect for replication: %w", ErrUnreachable, err)
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	_, err = checkHistory(ctx, conn, cfg, ts, log)
+	return err
+}
