@@ -180,6 +180,10 @@ type Session struct {
 	wg      sync.WaitGroup
 	closing sync.Once // closes pending
 	quitter sync.Once // closes quit
+	// ctx ends when the session quits: the ack goroutine's stream reads
+	// (checkDuplicate) use it, so a stop is not held up by a slow read.
+	ctx    context.Context
+	cancel context.CancelFunc
 
 	stream jetstream.Stream
 	source string // this writer's WAL history
@@ -238,6 +242,7 @@ func (p *Publisher) Open(ctx context.Context, source string) (*Session, error) {
 	if err := s.resume(ctx); err != nil {
 		return nil, err
 	}
+	s.ctx, s.cancel = context.WithCancel(context.Background())
 	s.wg.Add(1)
 	go s.watch()
 	return s, nil
@@ -461,6 +466,7 @@ func tooLarge(id string, lsn pglogrepl.LSN, txIndex int, what string) *decoder.I
 
 func (s *Session) watch() {
 	defer s.wg.Done()
+	defer s.cancel()
 	m := s.p.cfg.Metrics
 	// broken: a publish of this session was not stored as a new message;
 	// acks after it do not move ackedSeq (see checkSinceLastAck).
@@ -520,7 +526,7 @@ func (s *Session) checkDuplicate(pa pendingAck, seq uint64) error {
 	if s.hasWatermark && !s.watermark.Less(pa.pos) {
 		return nil
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), s.p.cfg.PublishTimeout)
+	ctx, cancel := context.WithTimeout(s.ctx, s.p.cfg.PublishTimeout)
 	defer cancel()
 	orig, err := s.stream.GetMsg(ctx, seq)
 	if errors.Is(err, jetstream.ErrMsgNotFound) {
@@ -565,7 +571,7 @@ func (s *Session) Close(ctx context.Context) error {
 	case <-finished:
 		return nil
 	case <-ctx.Done():
-		s.quitter.Do(func() { close(s.quit) })
+		s.quitter.Do(func() { close(s.quit); s.cancel() })
 		<-finished
 		return fmt.Errorf("wait for in-flight acks: %w", ctx.Err())
 	}
