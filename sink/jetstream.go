@@ -204,6 +204,12 @@ type Session struct {
 
 	tx txText // the current transaction's header values, formatted once
 
+	// serial (dedup mode with the order guard, no watermark): publish
+	// unguarded, one at a time, until one is stored as new (package doc).
+	serial     bool
+	serialWait chan serialResult // the outcome of the publish in flight
+	serialErr  error             // a serial publish failed: send nothing more
+
 	// exactly-once mode
 	nextSeq uint64   // the stream's last sequence before the next publish
 	last    Position // position of the stream's last message
@@ -222,7 +228,15 @@ func (p Position) Less(q Position) bool {
 	return p.CommitLSN < q.CommitLSN || (p.CommitLSN == q.CommitLSN && p.TxIndex < q.TxIndex)
 }
 
+// serialResult is the outcome of a serial publish, for the next Publish.
+type serialResult struct {
+	err    error  // not stored (or a repeated id)
+	stored bool   // stored as a new message, at seq
+	seq    uint64 // its stream sequence
+}
+
 type pendingAck struct {
+	serial    chan<- serialResult // a serial publish: tell Publish its outcome
 	fut       jetstream.PubAckFuture
 	done      func(error)
 	committed time.Time
@@ -243,6 +257,7 @@ func (p *Publisher) Open(ctx context.Context, source string) (*Session, error) {
 		return nil, err
 	}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
+	s.serial = !p.cfg.ExactlyOnce && p.cfg.OrderGuard && !s.hasWatermark && s.nextSeq > 0
 	s.wg.Add(1)
 	go s.watch()
 	return s, nil
@@ -386,6 +401,16 @@ func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
 	// A replay of what the stream held when the session opened goes without
 	// an expected sequence: it is a Duplicate and stores nothing.
 	guarded := (s.p.cfg.ExactlyOnce || s.p.cfg.OrderGuard) && !(s.hasWatermark && !s.watermark.Less(pos))
+	var serial chan serialResult
+	if guarded && s.serial {
+		if err := s.waitSerial(); err != nil {
+			return err
+		}
+		if s.serial {
+			guarded, serial = false, make(chan serialResult, 1)
+			opts = append(opts, jetstream.WithRetryAttempts(0))
+		}
+	}
 	if guarded {
 		// Pipelined: the k-th message in flight expects base+k-1. A
 		// Duplicate PubAck after the watermark stores nothing, so the
@@ -410,7 +435,33 @@ func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
 	if guarded {
 		s.nextSeq++
 	}
-	s.pending <- pendingAck{fut: fut, done: done, committed: ev.CommitTime, id: ev.ID, pos: pos, size: len(ev.Payload)}
+	if serial != nil {
+		s.serialWait = serial
+	}
+	s.pending <- pendingAck{serial: serial, fut: fut, done: done, committed: ev.CommitTime, id: ev.ID, pos: pos, size: len(ev.Payload)}
+	return nil
+}
+
+// waitSerial waits for the outcome of the serial publish in flight: once one
+// is stored as a new message the session turns pipelined and guarded, with
+// that message's sequence as the stream's last. After a failure nothing more
+// is sent (the next could be stored after a gap).
+func (s *Session) waitSerial() error {
+	if s.serialErr == nil && s.serialWait != nil {
+		select {
+		case r := <-s.serialWait:
+			s.serialErr = r.err
+			if r.err == nil && r.stored {
+				s.serial, s.nextSeq = false, r.seq
+			}
+		case <-s.quit:
+			s.serialErr = errors.New("the session was closed")
+		}
+		s.serialWait = nil
+	}
+	if s.serialErr != nil {
+		return fmt.Errorf("not sent: an earlier publish of this session failed (%v); it is republished in order", s.serialErr)
+	}
 	return nil
 }
 
@@ -480,6 +531,7 @@ func (s *Session) watch() {
 					s.p.stats.errors.Add(1)
 					m.PublishErrors.Inc()
 					pa.done(err)
+					pa.report(serialResult{err: err})
 					continue
 				}
 				s.p.stats.duplicates.Add(1)
@@ -493,19 +545,29 @@ func (s *Session) watch() {
 				m.Latency.Observe(time.Since(pa.committed).Seconds())
 			}
 			pa.done(nil)
+			pa.report(serialResult{stored: !ack.Duplicate, seq: ack.Sequence})
 		case err := <-pa.fut.Err():
 			broken = true
 			s.p.stats.errors.Add(1)
 			m.PublishErrors.Inc()
 			pa.done(s.p.classify(pa, err))
+			pa.report(serialResult{err: err})
 		case <-s.p.denied:
 			broken = true
 			s.p.stats.errors.Add(1)
 			m.PublishErrors.Inc()
 			pa.done(s.p.deniedErr)
+			pa.report(serialResult{err: s.p.deniedErr})
 		case <-s.quit:
 			return
 		}
+	}
+}
+
+// report tells a waiting Publish the outcome of a serial publish.
+func (pa pendingAck) report(r serialResult) {
+	if pa.serial != nil {
+		pa.serial <- r
 	}
 }
 

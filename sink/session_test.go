@@ -1,7 +1,10 @@
 package sink_test
 
 import (
+	"fmt"
+
 	"context"
+	"github.com/jetbox-dev/jetbox/decoder"
 	"testing"
 	"time"
 
@@ -71,4 +74,59 @@ func TestCloseDuringSlowDuplicateCheck(t *testing.T) {
 		t.Fatalf("Close took %s with a 1s deadline: the duplicate check held the stop for its publish timeout", took)
 	}
 	proxy.Resume()
+}
+
+// TestReplayWithoutWatermark: in dedup mode, when the stream's last message
+// is gone (a purge here; WorkQueue or Interest retention, max-age), a
+// session has no watermark and its replays carry the order guard. On one
+// nats-server the expected sequence is checked before the duplicate id:
+// every replay after the first used to be refused (one event per session).
+// All replays and the new events after them must go in one session, new
+// ones in order.
+func TestReplayWithoutWatermark(t *testing.T) {
+	if testing.Short() {
+		t.Skip("server test")
+	}
+	n := testenv.StartNATS(t)
+	p := newPublisher(t, n, baseConfig())
+	ctx := context.Background()
+	if _, err := p.EnsureStream(ctx); err != nil {
+		t.Fatal(err)
+	}
+	var evs []*decoder.Event
+	for i := 0; i < 50; i++ {
+		evs = append(evs, at(event(fmt.Sprint("r-", i), "order", "E"), i))
+	}
+	for i, err := range publishAll(t, p, evs[:30]...) {
+		if err != nil {
+			t.Fatalf("first run, event %d: %v", i, err)
+		}
+	}
+	_, js := n.Connect(t)
+	st, err := js.Stream(ctx, "OUTBOX")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := st.Purge(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// A restart replays the 30 (Duplicates: their ids are still in the
+	// window) and goes on with 20 new ones.
+	for i, err := range publishAll(t, p, evs...) {
+		if err != nil {
+			t.Fatalf("replay session, event %d: %v", i, err)
+		}
+	}
+	got := testenv.ReadStream(t, js, "OUTBOX", false)
+	if len(got) != 20 {
+		t.Fatalf("%d messages after the purge, want the 20 new ones", len(got))
+	}
+	for i, m := range got {
+		if m.ID != evs[30+i].ID {
+			t.Fatalf("message %d is %s, want %s", i, m.ID, evs[30+i].ID)
+		}
+	}
+	if st := p.Stats(); st.Duplicates != 30 || st.Published != 50 {
+		t.Fatalf("stats %+v, want 50 published and 30 duplicates", st)
+	}
 }
