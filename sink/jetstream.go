@@ -237,6 +237,8 @@ type serialResult struct {
 
 type pendingAck struct {
 	serial    chan<- serialResult // a serial publish: tell Publish its outcome
+	guarded   bool                // sent with Nats-Expected-Last-Sequence: expect
+	expect    uint64
 	fut       jetstream.PubAckFuture
 	done      func(error)
 	committed time.Time
@@ -349,17 +351,69 @@ func (s *Session) checkSinceLastAck(ctx context.Context, st jetstream.Stream, la
 		return &PermanentError{Err: fmt.Errorf("exactly-once: %w: %d messages were stored after jetbox's last acked one (seq %d), more than it had in flight", ErrForeignMessage, lastSeq-acked, acked),
 			Hint: "exactly-once mode needs jetbox to be the stream's only writer: stop the other publisher (or use --delivery=dedup), then restart jetbox"}
 	}
-	for seq := acked + 1; seq < lastSeq; seq++ {
-		m, err := st.GetMsg(ctx, seq)
-		if errors.Is(err, jetstream.ErrMsgNotFound) {
-			continue
-		}
-		if err != nil {
-			return fmt.Errorf("exactly-once: read message seq %d: %w", seq, err)
-		}
-		if _, ok := positionOf(m.Header); !ok || m.Header.Get(HeaderSource) != s.source {
-			return &PermanentError{Err: fmt.Errorf("exactly-once: %w (seq %d, subject %s, after jetbox's seq %d)", ErrForeignMessage, seq, m.Subject, acked),
+	check := func(seq uint64, subject string, h nats.Header) error {
+		if _, ok := positionOf(h); !ok || h.Get(HeaderSource) != s.source {
+			return &PermanentError{Err: fmt.Errorf("exactly-once: %w (seq %d, subject %s, after jetbox's seq %d)", ErrForeignMessage, seq, subject, acked),
 				Hint: "exactly-once mode needs jetbox to be the stream's only writer: stop the other publisher (or use --delivery=dedup), then restart jetbox"}
+		}
+		return nil
+	}
+	if lastSeq-acked < 2 {
+		return nil
+	}
+	// One headers-only ordered consumer reads them in a few round trips (a
+	// read per message costs one each: ~1,000 at 10 ms is over the limit).
+	cons, err := st.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{
+		DeliverPolicy: jetstream.DeliverByStartSequencePolicy, OptStartSeq: acked + 1, HeadersOnly: true,
+		InactiveThreshold: 10 * time.Second})
+	if err != nil {
+		// E.g. a WorkQueue stream refusing a second consumer: one by one.
+		s.p.log.Warn().Err(err).Msg("exactly-once: cannot read the stream with a consumer; reading messages one by one")
+		for seq := acked + 1; seq < lastSeq; seq++ {
+			m, err := st.GetMsg(ctx, seq)
+			if errors.Is(err, jetstream.ErrMsgNotFound) {
+				continue
+			}
+			if err != nil {
+				return fmt.Errorf("exactly-once: read message seq %d: %w", seq, err)
+			}
+			if err := check(seq, m.Subject, m.Header); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	defer func() { // its interest would hold messages of an Interest stream
+		if info := cons.CachedInfo(); info != nil {
+			dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+			defer cancel()
+			_ = st.DeleteConsumer(dctx, info.Name)
+		}
+	}()
+	for seq := acked; seq < lastSeq-1; {
+		batch, err := cons.FetchNoWait(int(lastSeq - seq))
+		if err != nil {
+			return fmt.Errorf("exactly-once: read the messages after seq %d: %w", seq, err)
+		}
+		n := 0
+		for m := range batch.Messages() {
+			n++
+			md, err := m.Metadata()
+			if err != nil {
+				return fmt.Errorf("exactly-once: read the messages after seq %d: %w", seq, err)
+			}
+			if seq = md.Sequence.Stream; seq >= lastSeq {
+				break
+			}
+			if err := check(seq, m.Subject(), m.Headers()); err != nil {
+				return err
+			}
+		}
+		if err := batch.Error(); err != nil {
+			return fmt.Errorf("exactly-once: read the messages after seq %d: %w", seq, err)
+		}
+		if n == 0 {
+			break // the rest was removed meanwhile
 		}
 	}
 	return nil
@@ -438,7 +492,7 @@ func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
 	if serial != nil {
 		s.serialWait = serial
 	}
-	s.pending <- pendingAck{serial: serial, fut: fut, done: done, committed: ev.CommitTime, id: ev.ID, pos: pos, size: len(ev.Payload)}
+	s.pending <- pendingAck{serial: serial, guarded: guarded, expect: s.nextSeq - 1, fut: fut, done: done, committed: ev.CommitTime, id: ev.ID, pos: pos, size: len(ev.Payload)}
 	return nil
 }
 
@@ -519,15 +573,30 @@ func (s *Session) watch() {
 	defer s.wg.Done()
 	defer s.cancel()
 	m := s.p.cfg.Metrics
-	// broken: a publish of this session was not stored as a new message;
-	// acks after it do not move ackedSeq (see checkSinceLastAck).
+	// broken: a guarded publish of this session failed or was not found
+	// where the pipeline expected it, so the expected sequences after it
+	// are off by one and a later publish can only be stored after a
+	// message jetbox did not send: acks after it do not move ackedSeq (see
+	// checkSinceLastAck). A replay sent unguarded shifts nothing.
 	broken := false
 	for pa := range s.pending {
 		select {
 		case ack := <-pa.fut.Ok():
 			if ack.Duplicate {
-				broken = true
-				if err := s.checkDuplicate(pa, ack.Sequence); err != nil {
+				same, err := s.checkDuplicate(pa, ack.Sequence)
+				if pa.guarded {
+					// The very row, stored at the sequence this publish
+					// expected (an earlier attempt stored late): the
+					// pipeline is still in order.
+					if same && ack.Sequence == pa.expect+1 {
+						if !broken && ack.Sequence > s.p.ackedSeq.Load() {
+							s.p.ackedSeq.Store(ack.Sequence)
+						}
+					} else {
+						broken = true
+					}
+				}
+				if err != nil {
 					s.p.stats.errors.Add(1)
 					m.PublishErrors.Inc()
 					pa.done(err)
@@ -583,10 +652,11 @@ func (p *Publisher) classify(pa pendingAck, err error) error {
 // checkDuplicate tells a replay (the stream already holds this very row)
 // from a repeated id (another row used it inside the duplicate window, and
 // JetStream would drop this one silently): a Duplicate PubAck after the
-// session's watermark is compared with the original message at seq.
-func (s *Session) checkDuplicate(pa pendingAck, seq uint64) error {
+// session's watermark is compared with the original message at seq. same
+// reports that the original was read and is this row.
+func (s *Session) checkDuplicate(pa pendingAck, seq uint64) (same bool, err error) {
 	if s.hasWatermark && !s.watermark.Less(pa.pos) {
-		return nil
+		return false, nil
 	}
 	ctx, cancel := context.WithTimeout(s.ctx, s.p.cfg.PublishTimeout)
 	defer cancel()
@@ -594,20 +664,20 @@ func (s *Session) checkDuplicate(pa pendingAck, seq uint64) error {
 	if errors.Is(err, jetstream.ErrMsgNotFound) {
 		s.p.log.Warn().Str("event_id", pa.id).Uint64("seq", seq).
 			Msg("Duplicate PubAck whose original message is no longer in the stream: counted as a replay (a repeated id cannot be told apart)")
-		return nil
+		return false, nil
 	}
 	if err != nil {
-		return fmt.Errorf("read message seq %d to check a Duplicate PubAck for id %s: %w", seq, pa.id, err)
+		return false, fmt.Errorf("read message seq %d to check a Duplicate PubAck for id %s: %w", seq, pa.id, err)
 	}
 	op, ok := positionOf(orig.Header)
 	if ok && op == pa.pos {
-		return nil // the same row, stored before
+		return true, nil // the same row, stored before
 	}
 	what := fmt.Sprintf("stream message seq %d (not written by jetbox)", seq)
 	if ok {
 		what = fmt.Sprintf("stream message seq %d (transaction %s, row %d)", seq, pglogrepl.LSN(op.CommitLSN), op.TxIndex)
 	}
-	return &decoder.InvalidEventError{ID: pa.id, LSN: pglogrepl.LSN(pa.pos.CommitLSN), TxIndex: pa.pos.TxIndex, Code: decoder.ReasonDuplicateID, Column: "id",
+	return false, &decoder.InvalidEventError{ID: pa.id, LSN: pglogrepl.LSN(pa.pos.CommitLSN), TxIndex: pa.pos.TxIndex, Code: decoder.ReasonDuplicateID, Column: "id",
 		Reason: "the id is already used by " + what + " inside the duplicate window: JetStream would drop this row silently",
 		Hint:   duplicateHint}
 }
