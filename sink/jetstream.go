@@ -105,6 +105,8 @@ type Publisher struct {
 	stats struct{ published, duplicates, errors atomic.Uint64 }
 
 	ackedSeq  atomic.Uint64 // highest stream sequence this process saw stored, in order
+	rmu       sync.Mutex
+	replays   replays // what tells a replay from a repeated id (watermark.go)
 	denyOnce  sync.Once
 	denied    chan struct{} // closed on the first permissions violation for our subjects
 	deniedErr error
@@ -259,6 +261,9 @@ func (p *Publisher) Open(ctx context.Context, source string) (*Session, error) {
 		return nil, err
 	}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
+	lctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	s.loadWatermark(lctx, s.stream.CachedInfo().Config.Replicas)
+	cancel()
 	s.serial = !p.cfg.ExactlyOnce && p.cfg.OrderGuard && !s.hasWatermark && s.nextSeq > 0
 	s.wg.Add(1)
 	go s.watch()
@@ -579,58 +584,124 @@ func (s *Session) watch() {
 	// message jetbox did not send: acks after it do not move ackedSeq (see
 	// checkSinceLastAck). A replay sent unguarded shifts nothing.
 	broken := false
-	for pa := range s.pending {
-		select {
-		case ack := <-pa.fut.Ok():
-			if ack.Duplicate {
-				same, err := s.checkDuplicate(pa, ack.Sequence)
-				if pa.guarded {
-					// The very row, stored at the sequence this publish
-					// expected (an earlier attempt stored late): the
-					// pipeline is still in order.
-					if same && ack.Sequence == pa.expect+1 {
-						if !broken && ack.Sequence > s.p.ackedSeq.Load() {
-							s.p.ackedSeq.Store(ack.Sequence)
-						}
-					} else {
-						broken = true
-					}
-				}
-				if err != nil {
-					s.p.stats.errors.Add(1)
-					m.PublishErrors.Inc()
-					pa.done(err)
-					pa.report(serialResult{err: err})
-					continue
-				}
-				s.p.stats.duplicates.Add(1)
-				m.Duplicates.Inc()
-			} else {
-				if !broken && ack.Sequence > s.p.ackedSeq.Load() {
-					s.p.ackedSeq.Store(ack.Sequence) // only this goroutine stores while the session runs
-				}
-				s.p.stats.published.Add(1)
-				m.Published.Inc()
-				m.Latency.Observe(time.Since(pa.committed).Seconds())
-			}
-			pa.done(nil)
-			pa.report(serialResult{stored: !ack.Duplicate, seq: ack.Sequence})
-		case err := <-pa.fut.Err():
-			broken = true
-			s.p.stats.errors.Add(1)
-			m.PublishErrors.Inc()
-			pa.done(s.p.classify(pa, err))
-			pa.report(serialResult{err: err})
-		case <-s.p.denied:
-			broken = true
-			s.p.stats.errors.Add(1)
-			m.PublishErrors.Inc()
-			pa.done(s.p.deniedErr)
-			pa.report(serialResult{err: s.p.deniedErr})
-		case <-s.quit:
+	// ready: resolved events whose done waits for the watermark to cover
+	// them (it is stored first, see flush); frozen: a failure in this
+	// session, the watermark stays before it.
+	var ready []readyAck
+	frozen := false
+	flush := func() {
+		if len(ready) == 0 {
 			return
 		}
+		var err error
+		if !frozen {
+			seq := uint64(0)
+			for _, r := range ready {
+				seq = max(seq, r.seq)
+			}
+			if err = s.advance(ready[len(ready)-1].pa.pos, seq); err != nil {
+				frozen = true
+				s.p.log.Warn().Err(err).Msg("events stored, but not confirmed until republished")
+			}
+		}
+		for _, r := range ready {
+			r.pa.done(err)
+			if err != nil {
+				r.pa.report(serialResult{err: err})
+			} else {
+				r.pa.report(serialResult{stored: !r.dup, seq: r.seq})
+			}
+		}
+		ready = ready[:0]
 	}
+	fail := func(pa pendingAck, err error) {
+		flush()
+		frozen = true
+		s.p.stats.errors.Add(1)
+		m.PublishErrors.Inc()
+		pa.done(err)
+		pa.report(serialResult{err: err})
+	}
+	defer flush()
+	for {
+		var pa pendingAck
+		var more bool
+		select {
+		case pa, more = <-s.pending:
+		default:
+			flush() // nothing more in flight now
+			pa, more = <-s.pending
+		}
+		if !more {
+			return
+		}
+		var ack *jetstream.PubAck
+		var perr error
+		select {
+		case ack = <-pa.fut.Ok():
+		case perr = <-pa.fut.Err():
+		default:
+			flush() // nothing more to resolve now: let the resolved ones go
+			select {
+			case ack = <-pa.fut.Ok():
+			case perr = <-pa.fut.Err():
+			case <-s.p.denied:
+				perr = s.p.deniedErr
+			case <-s.quit:
+				ready = nil // abandoned
+				return
+			}
+		}
+		if perr != nil {
+			broken = true
+			if perr != s.p.deniedErr {
+				perr = s.p.classify(pa, perr)
+			}
+			fail(pa, perr)
+			continue
+		}
+		if ack.Duplicate {
+			same, err := s.checkDuplicate(pa, ack.Sequence)
+			if pa.guarded {
+				// The very row, stored at the sequence this publish
+				// expected (an earlier attempt stored late): the
+				// pipeline is still in order.
+				if same && ack.Sequence == pa.expect+1 {
+					if !broken && ack.Sequence > s.p.ackedSeq.Load() {
+						s.p.ackedSeq.Store(ack.Sequence)
+					}
+				} else {
+					broken = true
+				}
+			}
+			if err != nil {
+				fail(pa, err)
+				continue
+			}
+			s.p.stats.duplicates.Add(1)
+			m.Duplicates.Inc()
+		} else {
+			if !broken && ack.Sequence > s.p.ackedSeq.Load() {
+				s.p.ackedSeq.Store(ack.Sequence) // only this goroutine stores while the session runs
+			}
+			if s.p.guarded() {
+				s.p.claim(ack.Sequence, pa.pos)
+			}
+			s.p.stats.published.Add(1)
+			m.Published.Inc()
+			m.Latency.Observe(time.Since(pa.committed).Seconds())
+		}
+		ready = append(ready, readyAck{pa: pa, seq: ack.Sequence, dup: ack.Duplicate})
+		if pa.serial != nil || len(ready) >= 1024 {
+			flush() // a Publish waits for it
+		}
+	}
+}
+
+type readyAck struct {
+	pa  pendingAck
+	seq uint64
+	dup bool
 }
 
 // report tells a waiting Publish the outcome of a serial publish.
@@ -662,9 +733,12 @@ func (s *Session) checkDuplicate(pa pendingAck, seq uint64) (same bool, err erro
 	defer cancel()
 	orig, err := s.stream.GetMsg(ctx, seq)
 	if errors.Is(err, jetstream.ErrMsgNotFound) {
-		s.p.log.Warn().Str("event_id", pa.id).Uint64("seq", seq).
-			Msg("Duplicate PubAck whose original message is no longer in the stream: counted as a replay (a repeated id cannot be told apart)")
-		return false, nil
+		if s.provenReplay(pa.pos, seq) {
+			return false, nil
+		}
+		return false, &decoder.InvalidEventError{ID: pa.id, LSN: pglogrepl.LSN(pa.pos.CommitLSN), TxIndex: pa.pos.TxIndex, Code: decoder.ReasonDuplicateID, Column: "id",
+			Reason: fmt.Sprintf("the id is already used by stream message seq %d inside the duplicate window, which is no longer in the stream (removed by retention or a purge) and is not this row by jetbox's watermark: JetStream would drop this row silently", seq),
+			Hint:   duplicateHint}
 	}
 	if err != nil {
 		return false, fmt.Errorf("read message seq %d to check a Duplicate PubAck for id %s: %w", seq, pa.id, err)

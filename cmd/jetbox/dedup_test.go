@@ -3,6 +3,7 @@ package main
 import (
 	"fmt"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -13,10 +14,25 @@ import (
 
 const dedupMode = "JETBOX_DELIVERY=dedup"
 
+// consumed counts what the work-queue consumer got, by subject.
+type consumed struct {
+	n        atomic.Int64
+	mu       sync.Mutex
+	subjects map[string]int
+}
+
+func (c *consumed) Load() int64 { return c.n.Load() }
+
+func (c *consumed) count(subject string) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.subjects[subject]
+}
+
 // workQueue creates the outbox stream with WorkQueue retention and a
-// consumer that acks (so removes) every message; it returns how many
-// messages the consumer got.
-func (f *fixture) workQueue() *atomic.Int64 {
+// consumer that acks (so removes) every message; it returns what the
+// consumer got.
+func (f *fixture) workQueue() *consumed {
 	f.t.Helper()
 	ctx := ctxT(f.t, time.Minute)
 	_, err := f.js.CreateStream(ctx, jetstream.StreamConfig{Name: "OUTBOX", Subjects: []string{"outbox.>"},
@@ -24,11 +40,17 @@ func (f *fixture) workQueue() *atomic.Int64 {
 	must(f.t, err)
 	cons, err := f.js.CreateOrUpdateConsumer(ctx, "OUTBOX", jetstream.ConsumerConfig{Durable: "worker", AckPolicy: jetstream.AckExplicitPolicy})
 	must(f.t, err)
-	var got atomic.Int64
-	cc, err := cons.Consume(func(m jetstream.Msg) { got.Add(1); _ = m.Ack() })
+	got := &consumed{subjects: map[string]int{}}
+	cc, err := cons.Consume(func(m jetstream.Msg) {
+		got.mu.Lock()
+		got.subjects[m.Subject()]++
+		got.mu.Unlock()
+		got.n.Add(1)
+		_ = m.Ack()
+	})
 	must(f.t, err)
 	f.t.Cleanup(cc.Stop)
-	return &got
+	return got
 }
 
 // waitConsumed waits until the stream's last sequence is last and every
@@ -106,5 +128,41 @@ func TestDedupReplayDrainsWithoutWatermark(t *testing.T) {
 	}
 	if code := p.stop(); code != 0 {
 		t.Fatalf("exit %d", code)
+	}
+}
+
+// TestRepeatedIDAfterOriginalConsumed: on a WorkQueue stream the original
+// of a Duplicate PubAck is usually gone (consumed). A row reusing the id
+// of a consumed row inside the duplicate window (the row deleted, the id
+// inserted again) used to be counted as a replay with a warning: dropped
+// silently. It is a duplicate-id: exit 1 under stop, a dead letter under
+// dead-letter; never stored as if delivered.
+func TestRepeatedIDAfterOriginalConsumed(t *testing.T) {
+	for _, policy := range []string{"stop", "dead-letter"} {
+		t.Run(policy, func(t *testing.T) {
+			f := newFixture(t)
+			got := f.workQueue()
+			p := f.start(dedupMode, "JETBOX_ON_INVALID="+policy)
+			f.waitStreaming(p)
+			const id = "00000000-0000-4000-8000-00000000000a"
+			row := `INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES ('` + id + `', 'order', 'o-1', 'Created', '{}')`
+			f.pg.Exec(t, row)
+			f.insertTx(f.conn(), "b", 1)
+			f.waitConsumed(2, time.Minute)
+			f.pg.Exec(t, "DELETE FROM outbox WHERE id = '"+id+"'")
+			f.pg.Exec(t, row) // another row, the same id
+			if policy == "stop" {
+				p.waitExit(exitFailure, "duplicate-id", "no longer in the stream")
+				f.waitConsumed(2, 10*time.Second) // nothing more stored
+				return
+			}
+			f.waitConsumed(3, time.Minute)
+			if n := got.count("outbox._dlq.duplicate-id"); n != 1 {
+				t.Fatalf("%d dead letters for the repeated id, want 1", n)
+			}
+			if code := p.stop(); code != 0 {
+				t.Fatalf("exit %d", code)
+			}
+		})
 	}
 }
