@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
@@ -123,6 +124,10 @@ func (s *Session) advance(pos Position, seq uint64) error {
 		ctx, cancel := context.WithTimeout(s.ctx, p.cfg.PublishTimeout)
 		_, err := r.kv.Put(ctx, r.key, b)
 		cancel()
+		if errors.Is(err, nats.ErrPermissionViolation) {
+			return &PermanentError{Err: fmt.Errorf("store the watermark in bucket %s: %w", WatermarkBucket, err),
+				Hint: fmt.Sprintf("grant this NATS user publish on $KV.%s.> (dedup mode keeps its watermark there), then restart jetbox; nothing past the last covered event was confirmed", WatermarkBucket)}
+		}
 		if err != nil {
 			return fmt.Errorf("store the watermark in bucket %s: %w", WatermarkBucket, err)
 		}
