@@ -81,6 +81,9 @@ func (f *fixture) waitConsumed(last uint64, timeout time.Duration) {
 // back Duplicate, every later one "wrong last sequence"), with backoff up
 // to 30 s: hours for 200. They must drain with no republish at all.
 func TestDedupReplayDrainsWithoutWatermark(t *testing.T) {
+	if testing.Short() {
+		t.Skip("server test")
+	}
 	f := newFixture(t)
 	consumed := f.workQueue()
 	addr := httpAddr(t)
@@ -138,6 +141,9 @@ func TestDedupReplayDrainsWithoutWatermark(t *testing.T) {
 // silently. It is a duplicate-id: exit 1 under stop, a dead letter under
 // dead-letter; never stored as if delivered.
 func TestRepeatedIDAfterOriginalConsumed(t *testing.T) {
+	if testing.Short() {
+		t.Skip("server test")
+	}
 	for _, policy := range []string{"stop", "dead-letter"} {
 		t.Run(policy, func(t *testing.T) {
 			f := newFixture(t)
