@@ -2,6 +2,7 @@ package sink_test
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"testing"
 	"time"
@@ -43,7 +44,9 @@ func TestCheckExactlyOnceStream(t *testing.T) {
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			_ = js.DeleteStream(ctx, "OUTBOX")
+			if err := js.DeleteStream(ctx, "OUTBOX"); err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
+				t.Fatalf("delete the previous case's stream: %v", err)
+			}
 			sc := c.cfg
 			sc.Name = "OUTBOX"
 			if sc.Subjects == nil {

@@ -61,6 +61,20 @@ func (p *Publisher) ForgetPositionsThrough(seq uint64) { p.forgetThrough.Store(s
 // sameWriter reports whether two Jetbox-Source values name the same system,
 // database and slot, whatever their timelines: replication checks, before
 // a session opens, that the server's timeline continues the stream's.
+// writerOf is source without its timeline: the system, database and slot
+// (a failover keeps the writer; replication checks the timeline continues
+// the stream's). A source of another shape is its own writer.
+func writerOf(source string) string {
+	f := strings.Split(source, "/")
+	if len(f) != 4 {
+		return source
+	}
+	if _, err := strconv.ParseUint(f[1], 10, 32); err != nil {
+		return source
+	}
+	return f[0] + "/" + f[2] + "/" + f[3]
+}
+
 func sameWriter(a, b string) bool {
 	as, bs := strings.Split(a, "/"), strings.Split(b, "/")
 	if len(as) != 4 || len(bs) != 4 {

@@ -105,6 +105,8 @@ type Publisher struct {
 	stats struct{ published, duplicates, errors atomic.Uint64 }
 
 	ackedSeq  atomic.Uint64 // highest stream sequence this process saw stored, in order
+	rmu       sync.Mutex
+	replays   replays // what tells a replay from a repeated id (watermark.go)
 	denyOnce  sync.Once
 	denied    chan struct{} // closed on the first permissions violation for our subjects
 	deniedErr error
@@ -184,6 +186,10 @@ type Session struct {
 	wg      sync.WaitGroup
 	closing sync.Once // closes pending
 	quitter sync.Once // closes quit
+	// ctx ends when the session quits: the ack goroutine's stream reads
+	// (checkDuplicate) use it, so a stop is not held up by a slow read.
+	ctx    context.Context
+	cancel context.CancelFunc
 
 	stream jetstream.Stream
 	source string // this writer's WAL history
@@ -204,6 +210,12 @@ type Session struct {
 
 	tx txText // the current transaction's header values, formatted once
 
+	// serial (dedup mode with the order guard, no watermark): publish
+	// unguarded, one at a time, until one is stored as new (package doc).
+	serial     bool
+	serialWait chan serialResult // the outcome of the publish in flight
+	serialErr  error             // a serial publish failed: send nothing more
+
 	// exactly-once mode
 	nextSeq uint64   // the stream's last sequence before the next publish
 	last    Position // position of the stream's last message
@@ -223,7 +235,17 @@ func (p Position) Less(q Position) bool {
 	return p.CommitLSN < q.CommitLSN || (p.CommitLSN == q.CommitLSN && p.TxIndex < q.TxIndex)
 }
 
+// serialResult is the outcome of a serial publish, for the next Publish.
+type serialResult struct {
+	err    error  // not stored (or a repeated id)
+	stored bool   // stored as a new message, at seq
+	seq    uint64 // its stream sequence
+}
+
 type pendingAck struct {
+	serial    chan<- serialResult // a serial publish: tell Publish its outcome
+	guarded   bool                // sent with Nats-Expected-Last-Sequence: expect
+	expect    uint64
 	fut       jetstream.PubAckFuture
 	done      func(error)
 	committed time.Time
@@ -243,6 +265,11 @@ func (p *Publisher) Open(ctx context.Context, source string) (*Session, error) {
 	if err := s.resume(ctx); err != nil {
 		return nil, err
 	}
+	s.ctx, s.cancel = context.WithCancel(context.Background())
+	lctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	s.loadWatermark(lctx, s.stream.CachedInfo().Config.Replicas)
+	cancel()
+	s.serial = !p.cfg.ExactlyOnce && p.cfg.OrderGuard && !s.hasWatermark && s.nextSeq > 0
 	s.wg.Add(1)
 	go s.watch()
 	return s, nil
@@ -350,17 +377,69 @@ func (s *Session) checkSinceLastAck(ctx context.Context, st jetstream.Stream, la
 		return &PermanentError{Err: fmt.Errorf("exactly-once: %w: %d messages were stored after jetbox's last acked one (seq %d), more than it had in flight", ErrForeignMessage, lastSeq-acked, acked),
 			Hint: "exactly-once mode needs jetbox to be the stream's only writer: stop the other publisher (or use --delivery=dedup), then restart jetbox"}
 	}
-	for seq := acked + 1; seq < lastSeq; seq++ {
-		m, err := st.GetMsg(ctx, seq)
-		if errors.Is(err, jetstream.ErrMsgNotFound) {
-			continue
-		}
-		if err != nil {
-			return fmt.Errorf("exactly-once: read message seq %d: %w", seq, err)
-		}
-		if _, ok := positionOf(m.Header); !ok || !sameWriter(m.Header.Get(HeaderSource), s.source) {
-			return &PermanentError{Err: fmt.Errorf("exactly-once: %w (seq %d, subject %s, after jetbox's seq %d)", ErrForeignMessage, seq, m.Subject, acked),
+	check := func(seq uint64, subject string, h nats.Header) error {
+		if _, ok := positionOf(h); !ok || !sameWriter(h.Get(HeaderSource), s.source) {
+			return &PermanentError{Err: fmt.Errorf("exactly-once: %w (seq %d, subject %s, after jetbox's seq %d)", ErrForeignMessage, seq, subject, acked),
 				Hint: "exactly-once mode needs jetbox to be the stream's only writer: stop the other publisher (or use --delivery=dedup), then restart jetbox"}
+		}
+		return nil
+	}
+	if lastSeq-acked < 2 {
+		return nil
+	}
+	// One headers-only ordered consumer reads them in a few round trips (a
+	// read per message costs one each: ~1,000 at 10 ms is over the limit).
+	cons, err := st.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{
+		DeliverPolicy: jetstream.DeliverByStartSequencePolicy, OptStartSeq: acked + 1, HeadersOnly: true,
+		InactiveThreshold: 10 * time.Second})
+	if err != nil {
+		// E.g. a WorkQueue stream refusing a second consumer: one by one.
+		s.p.log.Warn().Err(err).Msg("exactly-once: cannot read the stream with a consumer; reading messages one by one")
+		for seq := acked + 1; seq < lastSeq; seq++ {
+			m, err := st.GetMsg(ctx, seq)
+			if errors.Is(err, jetstream.ErrMsgNotFound) {
+				continue
+			}
+			if err != nil {
+				return fmt.Errorf("exactly-once: read message seq %d: %w", seq, err)
+			}
+			if err := check(seq, m.Subject, m.Header); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	defer func() { // its interest would hold messages of an Interest stream
+		if info := cons.CachedInfo(); info != nil {
+			dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+			defer cancel()
+			_ = st.DeleteConsumer(dctx, info.Name)
+		}
+	}()
+	for seq := acked; seq < lastSeq-1; {
+		batch, err := cons.FetchNoWait(int(lastSeq - seq))
+		if err != nil {
+			return fmt.Errorf("exactly-once: read the messages after seq %d: %w", seq, err)
+		}
+		n := 0
+		for m := range batch.Messages() {
+			n++
+			md, err := m.Metadata()
+			if err != nil {
+				return fmt.Errorf("exactly-once: read the messages after seq %d: %w", seq, err)
+			}
+			if seq = md.Sequence.Stream; seq >= lastSeq {
+				break
+			}
+			if err := check(seq, m.Subject(), m.Headers()); err != nil {
+				return err
+			}
+		}
+		if err := batch.Error(); err != nil {
+			return fmt.Errorf("exactly-once: read the messages after seq %d: %w", seq, err)
+		}
+		if n == 0 {
+			break // the rest was removed meanwhile
 		}
 	}
 	return nil
@@ -402,6 +481,16 @@ func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
 	// A replay of what the stream held when the session opened goes without
 	// an expected sequence: it is a Duplicate and stores nothing.
 	guarded := (s.p.cfg.ExactlyOnce || s.p.cfg.OrderGuard) && !(s.hasWatermark && !s.watermark.Less(pos))
+	var serial chan serialResult
+	if guarded && s.serial {
+		if err := s.waitSerial(); err != nil {
+			return err
+		}
+		if s.serial {
+			guarded, serial = false, make(chan serialResult, 1)
+			opts = append(opts, jetstream.WithRetryAttempts(0))
+		}
+	}
 	if guarded {
 		// Pipelined: the k-th message in flight expects base+k-1. A
 		// Duplicate PubAck after the watermark stores nothing, so the
@@ -426,7 +515,33 @@ func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
 	if guarded {
 		s.nextSeq++
 	}
-	s.pending <- pendingAck{fut: fut, done: done, committed: ev.CommitTime, id: ev.ID, pos: pos, size: len(ev.Payload)}
+	if serial != nil {
+		s.serialWait = serial
+	}
+	s.pending <- pendingAck{serial: serial, guarded: guarded, expect: s.nextSeq - 1, fut: fut, done: done, committed: ev.CommitTime, id: ev.ID, pos: pos, size: len(ev.Payload)}
+	return nil
+}
+
+// waitSerial waits for the outcome of the serial publish in flight: once one
+// is stored as a new message the session turns pipelined and guarded, with
+// that message's sequence as the stream's last. After a failure nothing more
+// is sent (the next could be stored after a gap).
+func (s *Session) waitSerial() error {
+	if s.serialErr == nil && s.serialWait != nil {
+		select {
+		case r := <-s.serialWait:
+			s.serialErr = r.err
+			if r.err == nil && r.stored {
+				s.serial, s.nextSeq = false, r.seq
+			}
+		case <-s.quit:
+			s.serialErr = errors.New("the session was closed")
+		}
+		s.serialWait = nil
+	}
+	if s.serialErr != nil {
+		return fmt.Errorf("not sent: an earlier publish of this session failed (%v); it is republished in order", s.serialErr)
+	}
 	return nil
 }
 
@@ -482,45 +597,138 @@ func tooLarge(id string, lsn pglogrepl.LSN, txIndex int, what string) *decoder.I
 
 func (s *Session) watch() {
 	defer s.wg.Done()
+	defer s.cancel()
 	m := s.p.cfg.Metrics
-	// broken: a publish of this session was not stored as a new message;
-	// acks after it do not move ackedSeq (see checkSinceLastAck).
+	// broken: a guarded publish of this session failed or was not found
+	// where the pipeline expected it, so the expected sequences after it
+	// are off by one and a later publish can only be stored after a
+	// message jetbox did not send: acks after it do not move ackedSeq (see
+	// checkSinceLastAck). A replay sent unguarded shifts nothing.
 	broken := false
-	for pa := range s.pending {
-		select {
-		case ack := <-pa.fut.Ok():
-			if ack.Duplicate {
-				broken = true
-				if err := s.checkDuplicate(pa, ack.Sequence); err != nil {
-					s.p.stats.errors.Add(1)
-					m.PublishErrors.Inc()
-					pa.done(err)
-					continue
-				}
-				s.p.stats.duplicates.Add(1)
-				m.Duplicates.Inc()
-			} else {
-				if !broken && ack.Sequence > s.p.ackedSeq.Load() {
-					s.p.ackedSeq.Store(ack.Sequence) // only this goroutine stores while the session runs
-				}
-				s.p.stats.published.Add(1)
-				m.Published.Inc()
-				m.Latency.Observe(time.Since(pa.committed).Seconds())
-			}
-			pa.done(nil)
-		case err := <-pa.fut.Err():
-			broken = true
-			s.p.stats.errors.Add(1)
-			m.PublishErrors.Inc()
-			pa.done(s.p.classify(pa, err))
-		case <-s.p.denied:
-			broken = true
-			s.p.stats.errors.Add(1)
-			m.PublishErrors.Inc()
-			pa.done(s.p.deniedErr)
-		case <-s.quit:
+	// ready: resolved events whose done waits for the watermark to cover
+	// them (it is stored first, see flush); frozen: a failure in this
+	// session, the watermark stays before it.
+	var ready []readyAck
+	frozen := false
+	flush := func() {
+		if len(ready) == 0 {
 			return
 		}
+		var err error
+		if !frozen {
+			seq := uint64(0)
+			for _, r := range ready {
+				seq = max(seq, r.seq)
+			}
+			if err = s.advance(ready[len(ready)-1].pa.pos, seq); err != nil {
+				frozen = true
+				s.p.log.Warn().Err(err).Msg("events stored, but not confirmed until republished")
+			}
+		}
+		for _, r := range ready {
+			r.pa.done(err)
+			if err != nil {
+				r.pa.report(serialResult{err: err})
+			} else {
+				r.pa.report(serialResult{stored: !r.dup, seq: r.seq})
+			}
+		}
+		ready = ready[:0]
+	}
+	fail := func(pa pendingAck, err error) {
+		flush()
+		frozen = true
+		s.p.stats.errors.Add(1)
+		m.PublishErrors.Inc()
+		pa.done(err)
+		pa.report(serialResult{err: err})
+	}
+	defer flush()
+	for {
+		var pa pendingAck
+		var more bool
+		select {
+		case pa, more = <-s.pending:
+		default:
+			flush() // nothing more in flight now
+			pa, more = <-s.pending
+		}
+		if !more {
+			return
+		}
+		var ack *jetstream.PubAck
+		var perr error
+		select {
+		case ack = <-pa.fut.Ok():
+		case perr = <-pa.fut.Err():
+		default:
+			flush() // nothing more to resolve now: let the resolved ones go
+			select {
+			case ack = <-pa.fut.Ok():
+			case perr = <-pa.fut.Err():
+			case <-s.p.denied:
+				perr = s.p.deniedErr
+			case <-s.quit:
+				ready = nil // abandoned
+				return
+			}
+		}
+		if perr != nil {
+			broken = true
+			if perr != s.p.deniedErr {
+				perr = s.p.classify(pa, perr)
+			}
+			fail(pa, perr)
+			continue
+		}
+		if ack.Duplicate {
+			same, err := s.checkDuplicate(pa, ack.Sequence)
+			if pa.guarded {
+				// The very row, stored at the sequence this publish
+				// expected (an earlier attempt stored late): the
+				// pipeline is still in order.
+				if same && ack.Sequence == pa.expect+1 {
+					if !broken && ack.Sequence > s.p.ackedSeq.Load() {
+						s.p.ackedSeq.Store(ack.Sequence)
+					}
+				} else {
+					broken = true
+				}
+			}
+			if err != nil {
+				fail(pa, err)
+				continue
+			}
+			s.p.stats.duplicates.Add(1)
+			m.Duplicates.Inc()
+		} else {
+			if !broken && ack.Sequence > s.p.ackedSeq.Load() {
+				s.p.ackedSeq.Store(ack.Sequence) // only this goroutine stores while the session runs
+			}
+			if s.p.guarded() {
+				s.p.claim(ack.Sequence, pa.pos)
+			}
+			s.p.stats.published.Add(1)
+			m.Published.Inc()
+			m.Latency.Observe(time.Since(pa.committed).Seconds())
+		}
+		ready = append(ready, readyAck{pa: pa, seq: ack.Sequence, dup: ack.Duplicate})
+		if pa.serial != nil || len(ready) >= 1024 {
+			flush() // a Publish waits for it
+		}
+	}
+}
+
+type readyAck struct {
+	pa  pendingAck
+	seq uint64
+	dup bool
+}
+
+// report tells a waiting Publish the outcome of a serial publish.
+func (pa pendingAck) report(r serialResult) {
+	if pa.serial != nil {
+		pa.serial <- r
 	}
 }
 
@@ -536,31 +744,35 @@ func (p *Publisher) classify(pa pendingAck, err error) error {
 // checkDuplicate tells a replay (the stream already holds this very row)
 // from a repeated id (another row used it inside the duplicate window, and
 // JetStream would drop this one silently): a Duplicate PubAck after the
-// session's watermark is compared with the original message at seq.
-func (s *Session) checkDuplicate(pa pendingAck, seq uint64) error {
+// session's watermark is compared with the original message at seq. same
+// reports that the original was read and is this row.
+func (s *Session) checkDuplicate(pa pendingAck, seq uint64) (same bool, err error) {
 	if s.hasWatermark && !s.watermark.Less(pa.pos) {
-		return nil
+		return false, nil
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), s.p.cfg.PublishTimeout)
+	ctx, cancel := context.WithTimeout(s.ctx, s.p.cfg.PublishTimeout)
 	defer cancel()
 	orig, err := s.stream.GetMsg(ctx, seq)
 	if errors.Is(err, jetstream.ErrMsgNotFound) {
-		s.p.log.Warn().Str("event_id", pa.id).Uint64("seq", seq).
-			Msg("Duplicate PubAck whose original message is no longer in the stream: counted as a replay (a repeated id cannot be told apart)")
-		return nil
+		if s.provenReplay(pa.pos, seq) {
+			return false, nil
+		}
+		return false, &decoder.InvalidEventError{ID: pa.id, LSN: pglogrepl.LSN(pa.pos.CommitLSN), TxIndex: pa.pos.TxIndex, Code: decoder.ReasonDuplicateID, Column: "id",
+			Reason: fmt.Sprintf("the id is already used by stream message seq %d inside the duplicate window, which is no longer in the stream (removed by retention or a purge) and is not this row by jetbox's watermark: JetStream would drop this row silently", seq),
+			Hint:   duplicateHint}
 	}
 	if err != nil {
-		return fmt.Errorf("read message seq %d to check a Duplicate PubAck for id %s: %w", seq, pa.id, err)
+		return false, fmt.Errorf("read message seq %d to check a Duplicate PubAck for id %s: %w", seq, pa.id, err)
 	}
 	op, ok := positionOf(orig.Header)
 	if ok && op == pa.pos {
-		return nil // the same row, stored before
+		return true, nil // the same row, stored before
 	}
 	what := fmt.Sprintf("stream message seq %d (not written by jetbox)", seq)
 	if ok {
 		what = fmt.Sprintf("stream message seq %d (transaction %s, row %d)", seq, pglogrepl.LSN(op.CommitLSN), op.TxIndex)
 	}
-	return &decoder.InvalidEventError{ID: pa.id, LSN: pglogrepl.LSN(pa.pos.CommitLSN), TxIndex: pa.pos.TxIndex, Code: decoder.ReasonDuplicateID, Column: "id",
+	return false, &decoder.InvalidEventError{ID: pa.id, LSN: pglogrepl.LSN(pa.pos.CommitLSN), TxIndex: pa.pos.TxIndex, Code: decoder.ReasonDuplicateID, Column: "id",
 		Reason: "the id is already used by " + what + " inside the duplicate window: JetStream would drop this row silently",
 		Hint:   duplicateHint}
 }
@@ -586,7 +798,7 @@ func (s *Session) Close(ctx context.Context) error {
 	case <-finished:
 		return nil
 	case <-ctx.Done():
-		s.quitter.Do(func() { close(s.quit) })
+		s.quitter.Do(func() { close(s.quit); s.cancel() })
 		<-finished
 		return fmt.Errorf("wait for in-flight acks: %w", ctx.Err())
 	}

@@ -1,15 +1,18 @@
 package testenv
 
 import (
+	"bytes"
 	"net"
 	"sync"
 	"testing"
+	"time"
 )
 
 // Proxy forwards TCP connections from a loopback port to a target. Cut closes
 // every open connection (both ends see a reset/EOF, like a dropped link).
 // Pause stops forwarding bytes while keeping sockets open (a blackhole: the
-// peers see a half-open connection) until Resume.
+// peers see a half-open connection) until Resume. Delay adds latency to
+// every byte; PauseOn pauses when a given byte string passes.
 type Proxy struct {
 	t      testing.TB
 	ln     net.Listener
@@ -19,6 +22,8 @@ type Proxy struct {
 	conns  map[net.Conn]struct{}
 	paused bool
 	resume chan struct{}
+	delay  time.Duration
+	holdOn []byte
 	// Addr is host:port to dial instead of the target.
 	Addr string
 }
@@ -58,7 +63,36 @@ func (p *Proxy) accept() {
 	}
 }
 
+type chunk struct {
+	data []byte
+	at   time.Time
+	err  error
+}
+
+// pipe copies src to dst; a second goroutine writes, so that a delay holds
+// each chunk back by the delay from its arrival (latency, not a rate cap).
 func (p *Proxy) pipe(dst, src net.Conn) {
+	chunks := make(chan chunk, 1024)
+	go func() {
+		defer close(chunks)
+		for {
+			buf := make([]byte, 32<<10)
+			n, err := src.Read(buf)
+			if n > 0 {
+				p.mu.Lock()
+				hold := p.holdOn != nil && bytes.Contains(buf[:n], p.holdOn)
+				p.mu.Unlock()
+				if hold {
+					p.Pause()
+				}
+				chunks <- chunk{data: buf[:n], at: time.Now()}
+			}
+			if err != nil {
+				chunks <- chunk{err: err}
+				return
+			}
+		}
+	}()
 	defer func() {
 		dst.Close()
 		src.Close()
@@ -66,21 +100,39 @@ func (p *Proxy) pipe(dst, src net.Conn) {
 		delete(p.conns, dst)
 		delete(p.conns, src)
 		p.mu.Unlock()
-	}()
-	buf := make([]byte, 32<<10)
-	for {
-		n, err := src.Read(buf)
-		if n > 0 {
-			p.waitResumed()
-			if _, werr := dst.Write(buf[:n]); werr != nil {
-				return
-			}
+		for range chunks { // let the reader end
 		}
-		if err != nil {
-			p.waitResumed() // a blackhole delivers no FIN either
+	}()
+	for c := range chunks {
+		p.waitResumed() // a blackhole delivers no FIN either
+		p.mu.Lock()
+		d := p.delay
+		p.mu.Unlock()
+		if wait := time.Until(c.at.Add(d)); wait > 0 {
+			time.Sleep(wait)
+		}
+		if c.err != nil {
+			return
+		}
+		if _, werr := dst.Write(c.data); werr != nil {
 			return
 		}
 	}
+}
+
+// Delay holds every byte back by d (in each direction) from now on; 0 ends it.
+func (p *Proxy) Delay(d time.Duration) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.delay = d
+}
+
+// PauseOn pauses the proxy (see Pause) as soon as a chunk containing b
+// arrives from either side, before forwarding it; nil turns it off.
+func (p *Proxy) PauseOn(b []byte) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.holdOn = b
 }
 
 func (p *Proxy) waitResumed() {
@@ -120,4 +172,11 @@ func (p *Proxy) Resume() {
 		p.paused = false
 		close(p.resume)
 	}
+}
+
+// Paused reports whether the proxy holds bytes back (Pause or PauseOn).
+func (p *Proxy) Paused() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.paused
 }
