@@ -72,6 +72,10 @@ type RepairOptions struct {
 	// CreatedAtColumn orders and filters the rows when track_commit_timestamp
 	// is off (and rows without a commit timestamp when it is on).
 	CreatedAtColumn string
+	// BrokenHistory says why the existing slot does not continue the
+	// stream's history (VerifyHistory's rewind or timeline case: a restore,
+	// a failover); repair then drops a valid slot and creates it again.
+	BrokenHistory string
 }
 
 // Repair is an open repair: the new slot's exported snapshot, imported by a
@@ -149,7 +153,7 @@ func OpenRepair(ctx context.Context, connString string, cfg Config, opt RepairOp
 		return nil, err
 	}
 
-	plan, drop, refused, err := r.slotPlan(ctx)
+	plan, drop, refused, err := r.slotPlan(ctx, opt.BrokenHistory)
 	if err != nil {
 		return nil, err
 	}
@@ -278,7 +282,7 @@ func (r *Repair) columns(ctx context.Context, createdAt string) error {
 }
 
 // slotPlan decides what to do with an existing slot.
-func (r *Repair) slotPlan(ctx context.Context) (plan string, drop bool, refused error, err error) {
+func (r *Repair) slotPlan(ctx context.Context, brokenHistory string) (plan string, drop bool, refused error, err error) {
 	var exists, active, lost, marker bool
 	var pid *int32
 	var confirmed string
@@ -308,6 +312,8 @@ func (r *Repair) slotPlan(ctx context.Context) (plan string, drop bool, refused 
 		return fmt.Sprintf("slot %q was left by an interrupted repair (marker %q): repair drops it and starts over", slot, RepairMarker(slot)), true, nil, nil
 	case lost:
 		return fmt.Sprintf("slot %q is invalidated: repair drops it and creates it again", slot), true, nil, nil
+	case brokenHistory != "":
+		return fmt.Sprintf("slot %q does not continue the stream's history (%s): repair drops it and creates it again", slot, brokenHistory), true, nil, nil
 	default:
 		return fmt.Sprintf("slot %q exists (confirmed to %s) and feeds the stream", slot, confirmed), false,
 			fmt.Errorf("%w: slot %q exists, is valid and was not left by an interrupted repair (confirmed to %s): jetbox run streams from it; if rows are missing anyway (outbox rows written before the slot was created), stop jetbox run, drop the slot (SELECT pg_drop_replication_slot('%s')), then run jetbox repair: it creates the slot again and publishes what the stream misses", ErrRepairRefused, slot, confirmed, slot), nil

@@ -261,7 +261,12 @@ type pendingAck struct {
 // source identifies this writer's WAL history (see decoder.Event.Source):
 // exactly-once mode refuses to resume after a message from another one.
 func (p *Publisher) Open(ctx context.Context, source string) (*Session, error) {
-	s := &Session{p: p, pending: make(chan pendingAck, p.cfg.MaxPending+1), quit: make(chan struct{}), source: source}
+	return p.open(ctx, source, false)
+}
+
+// open starts a session; repair: a jetbox repair session (see OpenRepair).
+func (p *Publisher) open(ctx context.Context, source string, repair bool) (*Session, error) {
+	s := &Session{p: p, pending: make(chan pendingAck, p.cfg.MaxPending+1), quit: make(chan struct{}), source: source, repair: repair}
 	if err := s.resume(ctx); err != nil {
 		return nil, err
 	}

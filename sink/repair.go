@@ -19,22 +19,18 @@ const HeaderRepaired = "Jetbox-Repaired"
 // the new slot's history, so it resumes after nothing of it. A last message
 // from the same source is resumed after, as Open does.
 func (p *Publisher) OpenRepair(ctx context.Context, source string) (*Session, error) {
-	s := &Session{p: p, pending: make(chan pendingAck, p.cfg.MaxPending+1), quit: make(chan struct{}), source: source, repair: true}
-	if err := s.resume(ctx); err != nil {
-		return nil, err
-	}
-	s.wg.Add(1)
-	go s.watch()
-	return s, nil
+	return p.open(ctx, source, true)
 }
 
 // LastMessage is what repair needs of the stream's last message.
 type LastMessage struct {
-	Seq        uint64
-	ID         string
-	Stored     time.Time // the server's time
-	CommitTime time.Time // Jetbox-Commit-Time; zero if not a jetbox message
-	Source     string
+	Seq         uint64
+	ID          string
+	Stored      time.Time // the server's time
+	CommitTime  time.Time // Jetbox-Commit-Time; zero if not a jetbox message
+	Source      string
+	Position    Position // Jetbox-Commit-LSN + Jetbox-Tx-Index, if HasPosition
+	HasPosition bool
 }
 
 // LastMessage returns the stream's last message; ok is false when the
@@ -59,6 +55,7 @@ func (p *Publisher) LastMessage(ctx context.Context) (last LastMessage, ok bool,
 	if t, err := time.Parse(time.RFC3339Nano, m.Header.Get(HeaderCommitTime)); err == nil {
 		last.CommitTime = t
 	}
+	last.Position, last.HasPosition = positionOf(m.Header)
 	return last, true, nil
 }
 

@@ -1,6 +1,8 @@
 package main
 
 import (
+	"fmt"
+	"sort"
 	"testing"
 	"time"
 
@@ -19,9 +21,18 @@ var deliveryModes = []struct{ name, env string }{
 // row's commit time and jetbox repair, in both delivery modes, instead of
 // streaming new rows whose positions the stream already holds (exactly-once
 // would skip them, silently).
+//
+// Then jetbox repair replaces the slot and jetbox run goes on: with rows
+// committed on the restored server before the repair (they are repaired),
+// and with none (the repair stores a baseline marker on
+// <prefix>._jetbox.repair so that run resumes on the new slot's history).
 func TestRestoredPrimaryRefused(t *testing.T) {
-	for _, mode := range deliveryModes {
-		t.Run(mode.name, func(t *testing.T) {
+	for _, tc := range []struct {
+		mode   struct{ name, env string }
+		missed int
+	}{{deliveryModes[0], 2}, {deliveryModes[1], 2}, {deliveryModes[0], 0}, {deliveryModes[1], 0}} {
+		mode := tc.mode
+		t.Run(fmt.Sprintf("%s/%d rows before the repair", mode.name, tc.missed), func(t *testing.T) {
 			f := newFixture(t)
 			p := f.start(mode.env)
 			f.waitStreaming(p)
@@ -48,6 +59,50 @@ func TestRestoredPrimaryRefused(t *testing.T) {
 			p.waitExit(exitConfig, "rewind:", "is ahead of the server's WAL position", "jetbox repair",
 				last.Header.Get("Jetbox-Commit-Time"), last.Header.Get("Jetbox-Commit-LSN"))
 			f.waitCount(6, time.Second)
+
+			// The documented way on: jetbox repair (the restored table's rows
+			// are all in the stream: it stores a baseline marker), then jetbox
+			// run, which must stream the rows committed from now on (exactly-
+			// once would skip them if it resumed after the old positions).
+			conn = f.conn()
+			var missed []string
+			if tc.missed > 0 {
+				missed = f.insertTx(conn, "restored", tc.missed) // committed before the repair: from the table
+			}
+			f.repair()
+			baseline := 0
+			if tc.missed == 0 {
+				baseline = 1
+			}
+			p = f.start(mode.env)
+			f.waitStreaming(p)
+			fresh := f.insertTx(conn, "fresh", 3)
+			f.waitCount(6+baseline+len(missed)+len(fresh), time.Minute)
+			if code := p.stop(); code != exitOK {
+				t.Fatalf("exit %d:\n%s", code, p.tail(4096))
+			}
+			msgs := testenv.ReadStream(t, f.js, "OUTBOX", true)
+			if baseline == 1 {
+				if m := msgs[6]; m.Subject != "outbox._jetbox.repair" || m.Header.Get("Jetbox-Repaired") != "true" {
+					t.Fatalf("seq %d on %s: want the repair's baseline marker on outbox._jetbox.repair", m.Seq, m.Subject)
+				}
+			}
+			var got []string
+			for _, m := range msgs[6+baseline:] {
+				got = append(got, m.ID)
+			}
+			// The repaired rows come in the repair order (created_at, then id),
+			// the streamed ones in commit order.
+			sorted := append([]string(nil), missed...)
+			sort.Strings(sorted)
+			if want := append(sorted, fresh...); fmt.Sprint(got) != fmt.Sprint(want) {
+				t.Fatalf("after the repair the stream holds %v, want the rows committed on the restored server %v", got, want)
+			}
+			for i, m := range msgs[6+baseline:] {
+				if repaired := m.Header.Get("Jetbox-Repaired") == "true"; repaired != (i < len(missed)) {
+					t.Fatalf("seq %d: Jetbox-Repaired %v: only the rows committed before the repair are marked", m.Seq, repaired)
+				}
+			}
 		})
 	}
 }

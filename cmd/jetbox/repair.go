@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -150,7 +151,18 @@ func (r *repairer) run(ctx context.Context) (int, error) {
 		readFrom = since.Add(-r.margin)
 	}
 
-	rep, err := replication.OpenRepair(ctx, cfg.PostgresURL, cfg.Replication, replication.RepairOptions{DryRun: r.dryRun, CreatedAtColumn: r.createdAt}, r.log)
+	// A slot that does not continue the stream's history (the server was
+	// restored, or rewound, or promoted on a timeline that branched before
+	// the stream's last row) is replaced: jetbox run refuses it anyway.
+	broken := ""
+	var he *replication.HistoryError
+	hcfg := cfg.Replication
+	hcfg.AcceptLostRows = false
+	if err := replication.VerifyHistory(sctx, cfg.PostgresURL, hcfg, sinkAdapter{p: pub}, r.log); errors.As(err, &he) &&
+		(he.Case == replication.CaseRewind || he.Case == replication.CaseTimeline) {
+		broken = he.Case + ": " + he.Detail
+	}
+	rep, err := replication.OpenRepair(ctx, cfg.PostgresURL, cfg.Replication, replication.RepairOptions{DryRun: r.dryRun, CreatedAtColumn: r.createdAt, BrokenHistory: broken}, r.log)
 	if err != nil {
 		if errors.Is(err, replication.ErrRepairRefused) {
 			return exitConfig, err
@@ -182,6 +194,16 @@ func (r *repairer) run(ctx context.Context) (int, error) {
 	if err != nil {
 		return exitFailure, err
 	}
+	if st.published.Load() == 0 && hasLast && last.HasPosition &&
+		(last.Source != rep.Source || last.Position.CommitLSN >= uint64(rep.ConsistentPoint)-1) {
+		// Nothing was missing, but the stream's last message belongs to a
+		// history the new slot does not continue (a restore, a failover):
+		// a baseline marker at the repair's position lets jetbox run
+		// resume after it, skipping none of the slot's events.
+		if err := r.publishBaseline(ctx, pub, rep, st); err != nil {
+			return exitFailure, err
+		}
+	}
 	fctx, fcancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 	defer fcancel()
 	if err := rep.Finish(fctx); err != nil {
@@ -193,10 +215,6 @@ func (r *repairer) run(ctx context.Context) (int, error) {
 		Float64("rows_per_second", rate).Str("lsn", rep.ConsistentPoint.String()).Msg("repair done: the stream holds every row of the snapshot; jetbox run streams the rest from the slot")
 	fmt.Fprintf(r.stderr, "jetbox repair: done: %d rows published, %d already in the stream, in %s (%.0f rows/s); start jetbox run\n",
 		st.published.Load(), st.skipped.Load(), elapsed.Round(time.Millisecond), rate)
-	if st.published.Load() == 0 && hasLast && last.Source != rep.Source && cfg.Sink.ExactlyOnce {
-		r.log.Warn().Str("last_source", last.Source).Str("source", rep.Source).
-			Msg("nothing was missing, and the stream's last message comes from another source: exactly-once jetbox run will refuse to resume after it (see the README)")
-	}
 	return exitOK, nil
 }
 
@@ -422,6 +440,47 @@ func (r *repairer) publish(ctx context.Context, pub *sink.Publisher, rep *replic
 }
 
 var errStopPass = errors.New("stop this pass")
+
+// BaselineSubjectToken is the subject token (after the prefix) of the
+// marker a repair that published nothing stores when the stream's last
+// message belongs to a history the new slot does not continue.
+const BaselineSubjectToken = "_jetbox.repair"
+
+// publishBaseline stores the baseline marker: a jetbox message (not an
+// outbox row) on <prefix>._jetbox.repair at the repair's position
+// (consistent point - 1, 0) with the new slot's source, so that jetbox run
+// resumes after it. Its id is unique to the slot's consistent point: a
+// re-run repair stores a new one.
+func (r *repairer) publishBaseline(ctx context.Context, pub *sink.Publisher, rep *replication.Repair, st *repairState) error {
+	payload, err := json.Marshal(map[string]any{"jetbox": "repair-baseline", "consistent_point": rep.ConsistentPoint.String(),
+		"source": rep.Source, "rows_already_in_stream": st.skipped.Load()})
+	if err != nil {
+		return err
+	}
+	ev := decoder.Event{ID: fmt.Sprintf("jetbox-repair-%s-%s", rep.Source, rep.ConsistentPoint), Subject: r.cfg.Sink.SubjectPrefix + "." + BaselineSubjectToken,
+		AggregateType: "jetbox", AggregateID: rep.Source, EventType: "RepairBaseline", Payload: payload,
+		CommitLSN: rep.ConsistentPoint - 1, CommitTime: time.Now().UTC(), Source: rep.Source,
+		Headers: []decoder.Header{{Key: sink.HeaderRepaired, Value: "true"}}}
+	sess, err := pub.OpenRepair(ctx, rep.Source)
+	if err != nil {
+		return fmt.Errorf("open a session for the repair baseline: %w", err)
+	}
+	done := make(chan error, 1)
+	if err := sess.Publish(&ev, func(err error) { done <- err }); err != nil {
+		_ = sess.Close(context.WithoutCancel(ctx))
+		return fmt.Errorf("publish the repair baseline: %w", err)
+	}
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.Sink.PublishTimeout+10*time.Second)
+	defer cancel()
+	if err := sess.Close(cctx); err != nil {
+		return fmt.Errorf("publish the repair baseline: %w", err)
+	}
+	if err := <-done; err != nil {
+		return fmt.Errorf("publish the repair baseline: %w", err)
+	}
+	r.log.Info().Str("subject", ev.Subject).Str("lsn", ev.CommitLSN.String()).Msg("repair: nothing was missing; stored a baseline marker so that jetbox run resumes on the new slot's history")
+	return nil
+}
 
 // stopError explains an invalid row the repair stops on.
 func (r *repairer) stopError(err error) error {
