@@ -17,7 +17,7 @@ import (
 )
 
 // repairCmd is `jetbox repair`: make the stream whole from the rows the
-// outbox table still holds (see the README's "Repair and backfill").
+// outbox table still holds (see "Repair and backfill" in docs/operations.md).
 type repairCmd struct {
 	RunFlags
 	Since           string `name:"since" env:"JETBOX_REPAIR_SINCE" help:"Repair rows from this RFC 3339 time on (commit timestamp with track_commit_timestamp on, else the created-at column). Default: from the stream's last event's commit time minus --margin, or every row when the stream is empty." placeholder:"TIME"`
@@ -195,7 +195,7 @@ func (r *repairer) run(ctx context.Context) (int, error) {
 		st.published.Load(), st.skipped.Load(), elapsed.Round(time.Millisecond), rate)
 	if st.published.Load() == 0 && hasLast && last.Source != rep.Source && cfg.Sink.ExactlyOnce {
 		r.log.Warn().Str("last_source", last.Source).Str("source", rep.Source).
-			Msg("nothing was missing, and the stream's last message comes from another source: exactly-once jetbox run will refuse to resume after it (see the README)")
+			Msg("nothing was missing, and the stream's last message comes from another source: exactly-once jetbox run will refuse to resume after it (see docs/operations.md)")
 	}
 	return exitOK, nil
 }
@@ -287,8 +287,8 @@ func (r *repairer) startProgress(st *repairState) func() {
 
 // publish publishes the rows of the snapshot that the stream does not hold,
 // in the repair order, at positions (consistent point - 1, k): after
-// everything the stream held, before everything the slot streams (see the
-// README). A failure ends the pass; the next pass republishes from the
+// everything the stream held, before everything the slot streams (see
+// docs/operations.md). A failure ends the pass; the next pass republishes from the
 // first row not acked, on a new session (exactly-once skips what it stored).
 func (r *repairer) publish(ctx context.Context, pub *sink.Publisher, rep *replication.Repair, since time.Time, ids map[string]struct{}, st *repairState) error {
 	commitLSN := rep.ConsistentPoint - 1
