@@ -255,7 +255,7 @@ func (c *checker) slot(pubExists bool) {
 		c.l.Add(check.Error, "postgres.slot", fmt.Sprintf("slot %q belongs to database %q, not %q", c.cfg.Slot, db, current), "connect to database "+db+" or set --slot to another name")
 	case walStatus == "lost":
 		c.l.Add(check.Error, "postgres.slot", fmt.Sprintf("slot %q is invalidated (wal_status = lost): Postgres removed WAL it still needed, so the outbox rows committed since its confirmed LSN %s can no longer be streamed", c.cfg.Slot, confirmed),
-			"run `jetbox repair` with the same configuration, or follow the README runbook \"slot invalidated\": re-publish the rows committed since then from the table (same ids: dedup absorbs overlaps), then "+drop+" and restart jetbox")
+			"run `jetbox repair` with the same configuration, or follow the runbook \"slot invalidated\" in docs/operations.md: re-publish the rows committed since then from the table (same ids: dedup absorbs overlaps), then "+drop+" and restart jetbox")
 	case twoPhase:
 		c.l.Add(check.Error, "postgres.slot", fmt.Sprintf("slot %q has two_phase enabled: prepared transactions would be published before they commit", c.cfg.Slot), drop)
 	default:
@@ -306,7 +306,7 @@ func Ensure(ctx context.Context, connString string, cfg Config, log zerolog.Logg
 		create := "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput', false)"
 		if num >= 170000 {
 			// A failover slot: standbys with sync_replication_slots keep a
-			// copy, so the slot survives a promotion (see the README).
+			// copy, so the slot survives a promotion (see docs/operations.md).
 			create = "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput', false, false, true)"
 		}
 		err := conn.QueryRow(ctx, create, cfg.Slot).Scan(&lsn)

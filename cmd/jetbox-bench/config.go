@@ -11,7 +11,7 @@ import (
 )
 
 // Config is one benchmark run. The defaults are the full-size run of the
-// README's Performance section; smaller values make a quick smoke run.
+// benchmark in docs/performance.md; smaller values make a quick smoke run.
 type Config struct {
 	JetboxBin   string // the jetbox binary; empty: built from ./cmd/jetbox
 	NATSBin     string // a nats-server binary; empty: the embedded server in a child process

@@ -258,7 +258,7 @@ func (f *RunFlags) Config() (Config, error) {
 		bad("max-in-flight-bytes", f.MaxInFlightBytes, "not a size of at least 1KiB", "use e.g. 16MiB")
 	}
 	if f.Delivery != "dedup" && f.Delivery != "exactly-once" {
-		bad("delivery", f.Delivery, "unknown delivery mode", "use dedup or exactly-once (see the README's guarantees)")
+		bad("delivery", f.Delivery, "unknown delivery mode", "use dedup or exactly-once (see docs/guarantees.md)")
 	}
 	orderGuard, err := strconv.ParseBool(f.OrderGuard)
 	if err != nil {
@@ -295,7 +295,7 @@ func (f *RunFlags) Config() (Config, error) {
 				"start the token after the prefix with '_' (e.g. "+f.SubjectPrefix+"._dlq) or use a subject outside "+f.SubjectPrefix+".>")
 		}
 	default:
-		bad("on-invalid", f.OnInvalid, "unknown policy", "use stop or dead-letter (see the README's failure modes)")
+		bad("on-invalid", f.OnInvalid, "unknown policy", "use stop or dead-letter (see docs/guarantees.md)")
 	}
 	level, err := zerolog.ParseLevel(f.LogLevel)
 	if err != nil || f.LogLevel == "" {

@@ -62,7 +62,7 @@ func TestExactlyOnceBeyondDuplicateWindow(t *testing.T) {
 				if len(got) <= len(want) {
 					t.Fatal("the replay stored no copies in dedup mode: the scenario did not reach past the window")
 				}
-				// The README's per-mode claim: here the position goes back.
+				// The per-mode claim in docs/guarantees.md: here the position goes back.
 				if n := positionBacksteps(t, testenv.ReadStream(t, f.js, "OUTBOX", true)); n == 0 {
 					t.Fatal("dedup mode stored copies, yet Jetbox-Commit-LSN + Jetbox-Tx-Index never went back")
 				} else {

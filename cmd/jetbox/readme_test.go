@@ -7,8 +7,9 @@ import (
 	"testing"
 )
 
-// TestREADMEConfigTable keeps the README's configuration table complete:
-// every flag of `jetbox run` has a row with its env variable and default.
+// TestREADMEConfigTable keeps the configuration table in docs/configuration.md
+// complete (every flag of `jetbox run` has a row with its env variable and
+// default) and the README's outbox DDL equal to the one the tests use.
 func TestREADMEConfigTable(t *testing.T) {
 	readme, err := os.ReadFile("../../README.md")
 	if err != nil {
@@ -17,6 +18,11 @@ func TestREADMEConfigTable(t *testing.T) {
 	if !strings.Contains(string(readme), outboxDDL) {
 		t.Error("the README's outbox DDL differs from the one the demo and the tests use")
 	}
+	conf, err := os.ReadFile("../../docs/configuration.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	doc := string(conf)
 	rt := reflect.TypeOf(RunFlags{})
 	for i := 0; i < rt.NumField(); i++ {
 		f := rt.Field(i)
@@ -25,15 +31,15 @@ func TestREADMEConfigTable(t *testing.T) {
 			t.Errorf("flag --%s has env %s, want %s", name, env, envName(name))
 		}
 		row := "| `" + env + "` | `--" + name + "` | "
-		idx := strings.Index(string(readme), row)
+		idx := strings.Index(doc, row)
 		if idx < 0 {
-			t.Errorf("README lacks a configuration row starting %q", row)
+			t.Errorf("docs/configuration.md lacks a configuration row starting %q", row)
 			continue
 		}
-		rest := string(readme)[idx+len(row):]
+		rest := doc[idx+len(row):]
 		cell := strings.TrimSpace(rest[:strings.Index(rest, "|")])
 		if def != "" && cell != "`"+def+"`" {
-			t.Errorf("README default for --%s is %s, code says %q", name, cell, def)
+			t.Errorf("docs/configuration.md default for --%s is %s, code says %q", name, cell, def)
 		}
 	}
 }

@@ -18,7 +18,7 @@ import (
 )
 
 // repairCmd is `jetbox repair`: make the stream whole from the rows the
-// outbox table still holds (see the README's "Repair and backfill").
+// outbox table still holds (see "Repair and backfill" in docs/operations.md).
 type repairCmd struct {
 	RunFlags
 	Since           string `name:"since" env:"JETBOX_REPAIR_SINCE" help:"Repair rows from this RFC 3339 time on (commit timestamp with track_commit_timestamp on, else the created-at column). Default: from the stream's last event's commit time minus --margin, or every row when the stream is empty." placeholder:"TIME"`
@@ -305,8 +305,8 @@ func (r *repairer) startProgress(st *repairState) func() {
 
 // publish publishes the rows of the snapshot that the stream does not hold,
 // in the repair order, at positions (consistent point - 1, k): after
-// everything the stream held, before everything the slot streams (see the
-// README). A failure ends the pass; the next pass republishes from the
+// everything the stream held, before everything the slot streams (see
+// docs/operations.md). A failure ends the pass; the next pass republishes from the
 // first row not acked, on a new session (exactly-once skips what it stored).
 func (r *repairer) publish(ctx context.Context, pub *sink.Publisher, rep *replication.Repair, since time.Time, ids map[string]struct{}, st *repairState) error {
 	commitLSN := rep.ConsistentPoint - 1

@@ -27,7 +27,7 @@ import (
 func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 	if os.Getenv("GOGC") == "" {
 		// The heap is small and bounded by the window: trade a little memory
-		// for fewer GC cycles (measured in the README's Performance section).
+		// for fewer GC cycles (measured in docs/performance.md).
 		debug.SetGCPercent(200)
 	}
 	log := newLogger(cfg, stdout)
