@@ -126,14 +126,22 @@ type proc struct {
 	code int
 }
 
-// start runs jetbox against the fixture; extra env entries override.
+// start runs jetbox run against the fixture; extra env entries override.
 func (f *fixture) start(extra ...string) *proc {
 	f.t.Helper()
-	logf, err := os.CreateTemp(f.t.TempDir(), "jetbox-*.log")
+	return f.startCmd([]string{"run"}, extra...)
+}
+
+// startCmd runs jetbox with args (a command and its flags) against the
+// fixture; extra env entries override. A failed test gets the process's
+// goroutines and the tail of its log.
+func (f *fixture) startCmd(args []string, extra ...string) *proc {
+	f.t.Helper()
+	logf, err := os.CreateTemp(f.t.TempDir(), "jetbox-"+args[0]+"-*.log")
 	if err != nil {
 		f.t.Fatal(err)
 	}
-	cmd := exec.Command(jetboxBin, "run")
+	cmd := exec.Command(jetboxBin, args...)
 	cmd.Env = append(append(append(os.Environ(), "JETBOX_POSTGRES_URL="+f.pgURL, "JETBOX_NATS_URL="+f.natURL), f.env...), extra...)
 	cmd.Stdout, cmd.Stderr = logf, logf
 	if err := cmd.Start(); err != nil {
@@ -157,7 +165,7 @@ func (f *fixture) start(extra ...string) *proc {
 		}
 		p.kill()
 		if f.t.Failed() {
-			f.t.Logf("jetbox log %s (last 6KiB):\n%s", p.log, p.tail(6144))
+			f.t.Logf("jetbox %s log %s (last 6KiB):\n%s", args[0], p.log, p.tail(6144))
 		}
 	})
 	return p

@@ -1,10 +1,7 @@
 package main
 
 import (
-	"errors"
 	"fmt"
-	"os"
-	"os/exec"
 	"regexp"
 	"strconv"
 	"strings"
@@ -14,40 +11,6 @@ import (
 	"github.com/jackc/pglogrepl"
 	"github.com/jetbox-dev/jetbox/internal/testenv"
 )
-
-// startCmd runs `jetbox <args>` against the fixture, like start does for run.
-func (f *fixture) startCmd(args []string, extra ...string) *proc {
-	f.t.Helper()
-	logf, err := os.CreateTemp(f.t.TempDir(), "jetbox-"+args[0]+"-*.log")
-	if err != nil {
-		f.t.Fatal(err)
-	}
-	cmd := exec.Command(jetboxBin, args...)
-	cmd.Env = append(append(append(os.Environ(), "JETBOX_POSTGRES_URL="+f.pgURL, "JETBOX_NATS_URL="+f.natURL), f.env...), extra...)
-	cmd.Stdout, cmd.Stderr = logf, logf
-	if err := cmd.Start(); err != nil {
-		f.t.Fatal(err)
-	}
-	p := &proc{t: f.t, cmd: cmd, log: logf.Name(), done: make(chan struct{}), code: -1}
-	go func() {
-		err := cmd.Wait()
-		logf.Close()
-		var ee *exec.ExitError
-		if errors.As(err, &ee) {
-			p.code = ee.ExitCode()
-		} else if err == nil {
-			p.code = 0
-		}
-		close(p.done)
-	}()
-	f.t.Cleanup(func() {
-		p.kill()
-		if f.t.Failed() {
-			f.t.Logf("jetbox %s log %s (last 6KiB):\n%s", args[0], p.log, p.tail(6144))
-		}
-	})
-	return p
-}
 
 // repair runs jetbox repair to its end and wants exit 0.
 func (f *fixture) repair(extra ...string) *proc {
