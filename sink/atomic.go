@@ -451,9 +451,7 @@ func (s *AtomicSession) publish(batch []batchMsg) error {
 		s.p.log.Warn().Uint64("seq", ack.Sequence).Uint64("expected", want).Msg("atomic batch stored at an unexpected sequence")
 	}
 	s.nextSeq = ack.Sequence
-	if ack.Sequence > s.p.ackedSeq.Load() {
-		s.p.ackedSeq.Store(ack.Sequence) // only this goroutine stores while the session runs
-	}
+	s.p.raiseAcked(ack.Sequence)
 	m := s.p.cfg.Metrics
 	s.p.stats.published.Add(uint64(len(batch)))
 	m.Published.Add(float64(len(batch)))

@@ -25,6 +25,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/jetbox-dev/jetbox/internal/fault"
 	"regexp"
 	"strconv"
 	"sync"
@@ -77,17 +78,9 @@ type Config struct {
 }
 
 // PermanentError is a publish failure that retrying cannot fix (the message is
-// too large for the server or the stream). Hint says what to do.
-type PermanentError struct {
-	Err  error
-	Hint string
-}
-
-func (e *PermanentError) Error() string { return e.Err.Error() + ": " + e.Hint }
-func (e *PermanentError) Unwrap() error { return e.Err }
-
-// Permanent marks the error as one to stop on rather than retry.
-func (e *PermanentError) Permanent() bool { return true }
+// too large for the server or the stream, the stream is gone). Hint says
+// what to do. It is jetbox's one shape of such an error (see internal/fault).
+type PermanentError = fault.Permanent
 
 // Stats are cumulative publishing counters.
 type Stats struct {
@@ -104,7 +97,7 @@ type Publisher struct {
 	log   zerolog.Logger
 	stats struct{ published, duplicates, errors atomic.Uint64 }
 
-	ackedSeq  atomic.Uint64 // highest stream sequence this process saw stored, in order
+	ackedSeq  atomic.Uint64 // highest stream sequence known to be jetbox's, in order: acked in order, or checked at a session open
 	rmu       sync.Mutex
 	replays   replays // what tells a replay from a repeated id (watermark.go)
 	denyOnce  sync.Once
@@ -360,6 +353,11 @@ func (s *Session) resume(ctx context.Context) error {
 	if err := s.checkSinceLastAck(ctx, st, s.nextSeq); err != nil {
 		return err
 	}
+	// Every message up to the last is now known to be jetbox's, in order:
+	// the next check starts after it. Otherwise stores whose acks a cut
+	// lost, session after session, would add up to more than one session
+	// has in flight and read as a foreign writer.
+	s.p.raiseAcked(s.nextSeq)
 	s.last, s.watermark, s.hasWatermark = pos, pos, true
 	s.lastID = m.Header.Get(jetstream.MsgIDHeader)
 	s.p.log.Info().Uint64("seq", s.nextSeq).Str("lsn", pglogrepl.LSN(pos.CommitLSN).String()).Int("tx_index", pos.TxIndex).
@@ -448,6 +446,16 @@ func (s *Session) checkSinceLastAck(ctx context.Context, st jetstream.Stream, la
 		}
 	}
 	return nil
+}
+
+// raiseAcked moves ackedSeq up to seq (never down).
+func (p *Publisher) raiseAcked(seq uint64) {
+	for {
+		cur := p.ackedSeq.Load()
+		if seq <= cur || p.ackedSeq.CompareAndSwap(cur, seq) {
+			return
+		}
+	}
 }
 
 func positionOf(h nats.Header) (Position, bool) {
@@ -693,8 +701,8 @@ func (s *Session) watch() {
 				// expected (an earlier attempt stored late): the
 				// pipeline is still in order.
 				if same && ack.Sequence == pa.expect+1 {
-					if !broken && ack.Sequence > s.p.ackedSeq.Load() {
-						s.p.ackedSeq.Store(ack.Sequence)
+					if !broken {
+						s.p.raiseAcked(ack.Sequence)
 					}
 				} else {
 					broken = true
@@ -707,8 +715,8 @@ func (s *Session) watch() {
 			s.p.stats.duplicates.Add(1)
 			m.Duplicates.Inc()
 		} else {
-			if !broken && ack.Sequence > s.p.ackedSeq.Load() {
-				s.p.ackedSeq.Store(ack.Sequence) // only this goroutine stores while the session runs
+			if !broken {
+				s.p.raiseAcked(ack.Sequence)
 			}
 			if s.p.guarded() {
 				s.p.claim(ack.Sequence, pa.pos)
