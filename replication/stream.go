@@ -13,6 +13,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/jetbox-dev/jetbox/internal/fault"
 	"math/rand/v2"
 	"strconv"
 	"strings"
@@ -232,24 +233,15 @@ func (s *Streamer) Run(ctx context.Context) error {
 // ConfirmedLSN returns the last LSN confirmed to Postgres.
 func (s *Streamer) ConfirmedLSN() pglogrepl.LSN { return pglogrepl.LSN(s.sent.Load()) }
 
-// PermanentError is an error retrying cannot fix; jetbox stops on it.
-type PermanentError struct{ Err error }
-
-func (e *PermanentError) Error() string { return e.Err.Error() }
-func (e *PermanentError) Unwrap() error { return e.Err }
-
-// Permanent causes from other packages implement this.
-type permanent interface{ Permanent() bool }
+// PermanentError is an error retrying cannot fix; jetbox stops on it. Hint
+// says what to do. It is jetbox's one shape of such an error (see
+// internal/fault).
+type PermanentError = fault.Permanent
 
 // IsPermanent reports whether err should stop jetbox rather than reconnect.
 func IsPermanent(err error) bool {
-	var pe *PermanentError
 	var ie *decoder.InvalidEventError
-	if errors.As(err, &pe) || errors.As(err, &ie) || errors.Is(err, decoder.ErrProtocol) || errors.Is(err, decoder.ErrTableReplaced) {
-		return true
-	}
-	var p permanent
-	if errors.As(err, &p) && p.Permanent() {
+	if fault.Is(err) || errors.As(err, &ie) || errors.Is(err, decoder.ErrProtocol) || errors.Is(err, decoder.ErrTableReplaced) {
 		return true
 	}
 	var pgErr *pgconn.PgError

@@ -283,7 +283,7 @@ func TestAtomicNeedsTheStreamToAllowIt(t *testing.T) {
 	found := false
 	for _, f := range p.Check(ctx, 0) {
 		if f.Check == "nats.atomic" {
-			found = f.Severity == "error" && strings.Contains(f.Fix, "allow_atomic")
+			found = f.Severity == "error" && strings.Contains(f.Hint, "allow_atomic")
 		}
 	}
 	if !found {

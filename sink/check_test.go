@@ -78,7 +78,7 @@ func TestCheckExactlyOnceStream(t *testing.T) {
 			case c.severity == "":
 			case hit == nil:
 				t.Fatalf("no %s finding, got %+v", c.severity, found)
-			case string(hit.Severity) != c.severity || !strings.Contains(hit.What, c.what) || !strings.Contains(hit.Fix, "--delivery=dedup"):
+			case string(hit.Severity) != c.severity || !strings.Contains(hit.What, c.what) || !strings.Contains(hit.Hint, "--delivery=dedup"):
 				t.Fatalf("got %+v, want %s %q with a --delivery=dedup fix", *hit, c.severity, c.what)
 			}
 			cfg.ExactlyOnce = false

@@ -33,7 +33,7 @@ func (r checkResult) errors() []error {
 	var errs []error
 	for _, f := range r.findings {
 		if f.Severity == check.Error {
-			errs = append(errs, fmt.Errorf("%s: %s; fix: %s", f.Check, f.What, f.Fix))
+			errs = append(errs, fmt.Errorf("%s: %s; fix: %s", f.Check, f.What, f.Hint))
 		}
 	}
 	return append(errs, r.unreachable...)
@@ -86,7 +86,7 @@ func checkAll(ctx context.Context, cfg Config, log zerolog.Logger) checkResult {
 			r.unreachable = append(r.unreachable, e)
 		} else {
 			pg = append(pg, check.Finding{Severity: check.Error, Check: "postgres.connect", What: redact(pgErr.Error()),
-				Fix: "check --postgres-url: user, password, database, sslmode"})
+				Hint: "check --postgres-url: user, password, database, sslmode"})
 		}
 	}
 	if nsErr != nil {
@@ -95,7 +95,7 @@ func checkAll(ctx context.Context, cfg Config, log zerolog.Logger) checkResult {
 			r.unreachable = append(r.unreachable, fmt.Errorf("nats: %s; fix: check --nats-url and that NATS is up", what))
 		} else {
 			ns = append(ns, check.Finding{Severity: check.Error, Check: "nats.connect", What: what,
-				Fix: "check --nats-url and the credentials (--nats-creds, --nats-nkey, --nats-user/--nats-password, --nats-token) and TLS files"})
+				Hint: "check --nats-url and the credentials (--nats-creds, --nats-nkey, --nats-user/--nats-password, --nats-token) and TLS files"})
 		}
 	}
 	r.findings = append(pg, ns...)
@@ -142,8 +142,8 @@ func (c *checkCmd) run(ctx context.Context, stdout, stderr io.Writer) int {
 	} else {
 		for _, f := range r.findings {
 			fmt.Fprintf(stdout, "%-8s %-32s %s\n", strings.ToUpper(string(f.Severity)), f.Check, f.What)
-			if f.Fix != "" {
-				fmt.Fprintf(stdout, "%-8s %-32s fix: %s\n", "", "", f.Fix)
+			if f.Hint != "" {
+				fmt.Fprintf(stdout, "%-8s %-32s fix: %s\n", "", "", f.Hint)
 			}
 		}
 		n := 0

@@ -106,7 +106,7 @@ type NATSAuth struct {
 type ConfigError struct {
 	Flag, Env, Value string
 	Problem          string
-	Fix              string
+	Hint             string
 }
 
 func (e *ConfigError) Error() string {
@@ -114,7 +114,7 @@ func (e *ConfigError) Error() string {
 	if e.Value != "" {
 		s += fmt.Sprintf(" = %q", e.Value)
 	}
-	return s + ": " + e.Problem + "; fix: " + e.Fix
+	return s + ": " + e.Problem + "; fix: " + e.Hint
 }
 
 var (
@@ -127,7 +127,7 @@ var (
 func (f *RunFlags) Config() (Config, error) {
 	var errs []error
 	bad := func(flag, value, problem, fix string) {
-		errs = append(errs, &ConfigError{Flag: flag, Env: envName(flag), Value: value, Problem: problem, Fix: fix})
+		errs = append(errs, &ConfigError{Flag: flag, Env: envName(flag), Value: value, Problem: problem, Hint: fix})
 	}
 	dur := func(flag, v string, min, max time.Duration) time.Duration {
 		d, err := time.ParseDuration(v)

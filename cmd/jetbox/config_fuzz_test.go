@@ -67,7 +67,7 @@ func FuzzConfig(f *testing.F) {
 			printed := stderr.String()
 			for _, e := range joined.Unwrap() {
 				var ce *ConfigError
-				if !errors.As(e, &ce) || ce.Flag == "" || ce.Fix == "" {
+				if !errors.As(e, &ce) || ce.Flag == "" || ce.Hint == "" {
 					t.Fatalf("problem without flag or fix: %v", e)
 				}
 				if !strings.Contains(printed, e.Error()) {

@@ -49,17 +49,17 @@ func (c *repairCmd) run(ctx context.Context, stdout, stderr io.Writer) int {
 	}
 	if c.Since != "" {
 		if since, err = time.Parse(time.RFC3339Nano, c.Since); err != nil {
-			errs = append(errs, &ConfigError{Flag: "since", Env: "JETBOX_REPAIR_SINCE", Value: c.Since, Problem: "not an RFC 3339 time", Fix: "use e.g. 2026-05-01T12:00:00Z"})
+			errs = append(errs, &ConfigError{Flag: "since", Env: "JETBOX_REPAIR_SINCE", Value: c.Since, Problem: "not an RFC 3339 time", Hint: "use e.g. 2026-05-01T12:00:00Z"})
 		}
 		if c.All {
-			errs = append(errs, &ConfigError{Flag: "all", Env: "JETBOX_REPAIR_ALL", Problem: "--all and --since exclude each other", Fix: "give one of them"})
+			errs = append(errs, &ConfigError{Flag: "all", Env: "JETBOX_REPAIR_ALL", Problem: "--all and --since exclude each other", Hint: "give one of them"})
 		}
 	}
 	if margin, err = time.ParseDuration(c.Margin); err != nil || margin < 0 {
-		errs = append(errs, &ConfigError{Flag: "margin", Env: "JETBOX_REPAIR_MARGIN", Value: c.Margin, Problem: "not a duration ≥ 0", Fix: "use e.g. 10m"})
+		errs = append(errs, &ConfigError{Flag: "margin", Env: "JETBOX_REPAIR_MARGIN", Value: c.Margin, Problem: "not a duration ≥ 0", Hint: "use e.g. 10m"})
 	}
 	if progress, err = time.ParseDuration(c.Progress); err != nil || progress <= 0 {
-		errs = append(errs, &ConfigError{Flag: "progress-interval", Env: "JETBOX_REPAIR_PROGRESS_INTERVAL", Value: c.Progress, Problem: "not a positive duration", Fix: "use e.g. 5s"})
+		errs = append(errs, &ConfigError{Flag: "progress-interval", Env: "JETBOX_REPAIR_PROGRESS_INTERVAL", Value: c.Progress, Problem: "not a positive duration", Hint: "use e.g. 5s"})
 	}
 	if len(errs) > 0 {
 		printProblems(stderr, "configuration", errors.Join(errs...))

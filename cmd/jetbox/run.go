@@ -185,7 +185,7 @@ func preflight(ctx context.Context, cfg Config, log zerolog.Logger) (*nats.Conn,
 		if len(r.unreachable) == 0 && !check.Fatal(r.findings) {
 			for _, f := range r.findings {
 				if f.Severity == check.Warning {
-					log.Warn().Str("check", f.Check).Str("fix", f.Fix).Msg(f.What)
+					log.Warn().Str("check", f.Check).Str("fix", f.Hint).Msg(f.What)
 				}
 			}
 			err := ensureAll(ctx, cfg, r.pub, log)

@@ -18,7 +18,7 @@ type Finding struct {
 	Severity Severity `json:"severity"`
 	Check    string   `json:"check"` // e.g. "postgres.wal_level"
 	What     string   `json:"what"`
-	Fix      string   `json:"fix,omitempty"`
+	Hint     string   `json:"fix,omitempty"`
 }
 
 // Fatal reports whether any finding is an error.
@@ -36,5 +36,5 @@ type List []Finding
 
 // Add appends a finding.
 func (l *List) Add(sev Severity, check, what, fix string) {
-	*l = append(*l, Finding{Severity: sev, Check: check, What: what, Fix: fix})
+	*l = append(*l, Finding{Severity: sev, Check: check, What: what, Hint: fix})
 }
