@@ -108,10 +108,6 @@ type Repair struct {
 	sel  string // the outbox columns, in cols order
 }
 
-// pinnedParams fix the text output of values: the same as the walsender's.
-var pinnedParams = map[string]string{"DateStyle": "ISO", "IntervalStyle": "postgres", "TimeZone": "UTC",
-	"bytea_output": "hex", "extra_float_digits": "3", "client_encoding": "UTF8"}
-
 // OpenRepair prepares a repair of cfg.Slot. It refuses (ErrRepairRefused)
 // when the slot is held by a walsender or is a valid slot no unfinished
 // repair left; it drops a slot left by an interrupted repair or invalidated

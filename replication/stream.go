@@ -111,12 +111,16 @@ func replicationConfig(connString string) (*pgconn.Config, error) {
 	cc.RuntimeParams["replication"] = "database"
 	cc.RuntimeParams["application_name"] = "jetbox"
 	// Text output depends on the walsender session's settings: pin them.
-	for k, v := range map[string]string{"DateStyle": "ISO", "IntervalStyle": "postgres", "TimeZone": "UTC",
-		"bytea_output": "hex", "extra_float_digits": "3", "client_encoding": "UTF8"} {
+	for k, v := range pinnedParams {
 		cc.RuntimeParams[k] = v
 	}
 	return cc, nil
 }
+
+// pinnedParams fix the text output of values, for the walsender and for the
+// repair's snapshot connections alike.
+var pinnedParams = map[string]string{"DateStyle": "ISO", "IntervalStyle": "postgres", "TimeZone": "UTC",
+	"bytea_output": "hex", "extra_float_digits": "3", "client_encoding": "UTF8"}
 
 func (s *Streamer) setState(state string) {
 	if old, _ := s.state.Load().(string); old != state {
