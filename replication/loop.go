@@ -19,7 +19,7 @@ type loop struct {
 	s       *Streamer
 	conn    *pgconn.PgConn
 	log     zerolog.Logger
-	tracker *checkpoint.Tracker
+	tracker *checkpoint.Tracker[*decoder.Event]
 	dec     *decoder.Decoder
 	sess    Session
 	source  string

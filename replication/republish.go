@@ -6,7 +6,6 @@ import (
 	"time"
 
 	"github.com/cenkalti/backoff/v5"
-	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/jetbox-dev/jetbox/internal/metrics"
 )
 
@@ -48,7 +47,7 @@ func (l *loop) republish(ctx context.Context, failed int, cause error) error {
 		l.s.cfg.Metrics.Retries.Add(float64(len(retries)))
 		cut := false // a resend failed: what the session holds is not a whole transaction
 		for _, r := range retries {
-			ev := r.Payload.(*decoder.Event)
+			ev := r.Payload
 			if ie := l.deadLetterable(r.Err); ie != nil {
 				if ev.DeadLetter != nil {
 					return fmt.Errorf("the dead letter for a row could not be published either: %w", r.Err)
@@ -67,7 +66,7 @@ func (l *loop) republish(ctx context.Context, failed int, cause error) error {
 		// The events of the transaction still being read stay with a
 		// batching session until its commit: wait for those before them.
 		open := len(retries)
-		for l.txLSN != 0 && open > 0 && retries[open-1].Payload.(*decoder.Event).CommitLSN == l.txLSN {
+		for l.txLSN != 0 && open > 0 && retries[open-1].Payload.CommitLSN == l.txLSN {
 			open--
 		}
 		if open == len(retries) && !cut {

@@ -68,7 +68,7 @@ func (s *Streamer) session(ctx context.Context) (err error) {
 		s:       s,
 		conn:    conn,
 		log:     log,
-		tracker: checkpoint.New(start, s.cfg.MaxInFlight, s.cfg.MaxInFlightBytes),
+		tracker: checkpoint.New[*decoder.Event](start, s.cfg.MaxInFlight, s.cfg.MaxInFlightBytes),
 		dec:     decoder.New(s.cfg.Decoder),
 		sess:    sess,
 		source:  source,
