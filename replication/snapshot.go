@@ -179,15 +179,11 @@ func OpenRepair(ctx context.Context, connString string, cfg Config, opt RepairOp
 		return nil, err
 	}
 
-	cc, err := pgconn.ParseConfig(connString)
+	cc, err := replicationConfig(connString)
 	if err != nil {
-		return nil, fmt.Errorf("parse postgres URL: %w", err)
+		return nil, err
 	}
-	cc.RuntimeParams["replication"] = "database"
 	cc.RuntimeParams["application_name"] = "jetbox repair"
-	for k, v := range pinnedParams {
-		cc.RuntimeParams[k] = v
-	}
 	if r.repl, err = pgconn.ConnectConfig(ctx, cc); err != nil {
 		return nil, fmt.Errorf("connect for replication: %w", err)
 	}
