@@ -32,11 +32,6 @@ import (
 // stream, or another process holds it); the error says what to do.
 var ErrRepairRefused = errors.New("repair refused")
 
-// sourceOf is the WAL history an event comes from (decoder.Event.Source).
-func sourceOf(sys pglogrepl.IdentifySystemResult, slot string) string {
-	return fmt.Sprintf("%s/%d/%s/%s", sys.SystemID, sys.Timeline, sys.DBName, slot)
-}
-
 // RepairMarker is the name of the marker of an unfinished repair of slot: a
 // physical slot that reserves no WAL, created before the repair touches the
 // logical slot and dropped once every row of its snapshot is stored. While
