@@ -23,7 +23,7 @@
 //     and the sink session's open and close while status updates go on.
 //   - status.go: standby status updates (flush = the tracker's safe LSN).
 //   - history.go: whether the server continues the stream's WAL history
-//     (VerifyHistory, at every session open).
+//     (VerifyHistory, at every session open), and the Jetbox-Source value.
 //   - setup.go, failover.go: jetbox check's findings (failover.go: keeping
 //     the slot across a promotion) and Ensure (publication, slot).
 //   - monitor.go: the slot monitor (lag, retained WAL, publication, heartbeats).
