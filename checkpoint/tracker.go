@@ -37,20 +37,21 @@ const (
 	failed               // not stored, or outcome unknown: to publish again
 )
 
-type entry struct {
+type entry[T any] struct {
 	commit  bool          // a commit marker rather than an event
 	state   state         // of an event
 	size    int           // bytes the event holds while in the window
 	end     pglogrepl.LSN // of a commit marker: the transaction end LSN
-	payload any           // what Add was given, handed back by Requeue
+	payload T             // what Add was given, handed back by Requeue
 	err     error         // why a failed event failed
 }
 
 // Tracker is safe for concurrent use: one goroutine adds events and commits,
-// any goroutine resolves them.
-type Tracker struct {
+// any goroutine resolves them. T is the type of the payload each event is
+// added with and Requeue hands back.
+type Tracker[T any] struct {
 	mu       sync.Mutex
-	entries  []entry // entries[0] has ticket base
+	entries  []entry[T] // entries[0] has ticket base
 	base     Ticket
 	safe     pglogrepl.LSN
 	events   int // events in the window (any state)
@@ -69,15 +70,15 @@ type Tracker struct {
 // New returns a tracker whose safe position starts at start (the slot's
 // confirmed_flush_lsn) and which admits at most maxEvents events and maxBytes
 // bytes in its window. A maxBytes of 0 means no byte bound.
-func New(start pglogrepl.LSN, maxEvents, maxBytes int) *Tracker {
+func New[T any](start pglogrepl.LSN, maxEvents, maxBytes int) *Tracker[T] {
 	if maxEvents < 1 {
 		maxEvents = 1
 	}
-	return &Tracker{safe: start, maxEvent: maxEvents, maxBytes: maxBytes, changed: make(chan struct{}), want: -1}
+	return &Tracker[T]{safe: start, maxEvent: maxEvents, maxBytes: maxBytes, changed: make(chan struct{}), want: -1}
 }
 
 // TryAdd is Add without blocking: ok is false when the window is full.
-func (t *Tracker) TryAdd(size int, payload any) (ticket Ticket, ok bool, err error) {
+func (t *Tracker[T]) TryAdd(size int, payload T) (ticket Ticket, ok bool, err error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.closed {
@@ -89,7 +90,7 @@ func (t *Tracker) TryAdd(size int, payload any) (ticket Ticket, ok bool, err err
 	}
 	t.want = -1
 	ticket = t.base + Ticket(len(t.entries))
-	t.entries = append(t.entries, entry{size: size, payload: payload})
+	t.entries = append(t.entries, entry[T]{size: size, payload: payload})
 	t.events++
 	t.pending++
 	t.bytes += size
@@ -101,7 +102,7 @@ func (t *Tracker) TryAdd(size int, payload any) (ticket Ticket, ok bool, err err
 // the byte window is admitted when the window is empty, so one big event can
 // never wedge the pipeline. While failed events await Requeue it returns
 // ErrFailures instead of blocking: they hold the window until republished.
-func (t *Tracker) Add(ctx context.Context, size int, payload any) (Ticket, error) {
+func (t *Tracker[T]) Add(ctx context.Context, size int, payload T) (Ticket, error) {
 	for {
 		if ticket, ok, err := t.TryAdd(size, payload); ok || err != nil {
 			return ticket, err
@@ -119,13 +120,13 @@ func (t *Tracker) Add(ctx context.Context, size int, payload any) (Ticket, error
 var ErrFailures = errors.New("failed events await republishing")
 
 // WaitResolved blocks until no event is in flight (each is done or failed).
-func (t *Tracker) WaitResolved(ctx context.Context) error {
+func (t *Tracker[T]) WaitResolved(ctx context.Context) error {
 	return t.wait(ctx, func() bool { return t.pending == 0 || t.closed })
 }
 
 // WaitResolvedBefore blocks until every event tracked before ticket is done
 // or failed (events from ticket on may still be in flight).
-func (t *Tracker) WaitResolvedBefore(ctx context.Context, ticket Ticket) error {
+func (t *Tracker[T]) WaitResolvedBefore(ctx context.Context, ticket Ticket) error {
 	return t.wait(ctx, func() bool {
 		if t.closed {
 			return true
@@ -144,14 +145,14 @@ func (t *Tracker) WaitResolvedBefore(ctx context.Context, ticket Ticket) error {
 // window being resolved can let it go on. It is false once an add fits.
 // Safe for any goroutine; a batching sink uses it to tell when it must send
 // events it holds back (see replication.Session.Flush).
-func (t *Tracker) Blocked() bool {
+func (t *Tracker[T]) Blocked() bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	return t.want >= 0 && !t.closed && !t.fits(t.want)
 }
 
 // wait blocks until cond (called with mu held) holds or ctx ends.
-func (t *Tracker) wait(ctx context.Context, cond func() bool) error {
+func (t *Tracker[T]) wait(ctx context.Context, cond func() bool) error {
 	for {
 		t.mu.Lock()
 		if cond() {
@@ -169,7 +170,7 @@ func (t *Tracker) wait(ctx context.Context, cond func() bool) error {
 	}
 }
 
-func (t *Tracker) fits(size int) bool {
+func (t *Tracker[T]) fits(size int) bool {
 	if t.events >= t.maxEvent {
 		return false
 	}
@@ -178,7 +179,7 @@ func (t *Tracker) fits(size int) bool {
 
 // Commit records the end of a transaction whose events were all added before
 // it. With nothing in the window the safe position moves at once.
-func (t *Tracker) Commit(end pglogrepl.LSN) {
+func (t *Tracker[T]) Commit(end pglogrepl.LSN) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if len(t.entries) == 0 {
@@ -195,11 +196,11 @@ func (t *Tracker) Commit(end pglogrepl.LSN) {
 		}
 		return
 	}
-	t.entries = append(t.entries, entry{commit: true, end: end})
+	t.entries = append(t.entries, entry[T]{commit: true, end: end})
 }
 
 // Done marks the in-flight event as stored. Other tickets are ignored.
-func (t *Tracker) Done(ticket Ticket) {
+func (t *Tracker[T]) Done(ticket Ticket) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	e := t.inFlight(ticket)
@@ -214,7 +215,7 @@ func (t *Tracker) Done(ticket Ticket) {
 
 // Fail marks the in-flight event as not stored (or not provably stored). It
 // stays in the window until Requeue returns it. err is kept for Failures.
-func (t *Tracker) Fail(ticket Ticket, err error) {
+func (t *Tracker[T]) Fail(ticket Ticket, err error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	e := t.inFlight(ticket)
@@ -230,7 +231,7 @@ func (t *Tracker) Fail(ticket Ticket, err error) {
 	t.wake()
 }
 
-func (t *Tracker) inFlight(ticket Ticket) *entry {
+func (t *Tracker[T]) inFlight(ticket Ticket) *entry[T] {
 	if ticket < t.base || ticket >= t.base+Ticket(len(t.entries)) {
 		return nil
 	}
@@ -243,7 +244,7 @@ func (t *Tracker) inFlight(ticket Ticket) *entry {
 
 // FailPending fails every event still in flight: its acks will never come
 // (the session that published it was abandoned).
-func (t *Tracker) FailPending(err error) {
+func (t *Tracker[T]) FailPending(err error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	for i := range t.entries {
@@ -261,28 +262,28 @@ func (t *Tracker) FailPending(err error) {
 
 // Failures returns the number of failed events awaiting Requeue and the
 // first error among them.
-func (t *Tracker) Failures() (int, error) {
+func (t *Tracker[T]) Failures() (int, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	return t.failed, t.lastErr
 }
 
 // Retry is a failed event handed back for publishing again.
-type Retry struct {
+type Retry[T any] struct {
 	Ticket  Ticket
-	Payload any
+	Payload T
 	Err     error // why it failed
 }
 
 // Requeue returns the failed events in window order and puts them back in
 // flight; publish each again and resolve it with Done or Fail.
-func (t *Tracker) Requeue() []Retry {
+func (t *Tracker[T]) Requeue() []Retry[T] {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	out := make([]Retry, 0, t.failed)
+	out := make([]Retry[T], 0, t.failed)
 	for i := range t.entries {
 		if e := &t.entries[i]; !e.commit && e.state == failed {
-			out = append(out, Retry{Ticket: t.base + Ticket(i), Payload: e.payload, Err: e.err})
+			out = append(out, Retry[T]{Ticket: t.base + Ticket(i), Payload: e.payload, Err: e.err})
 			e.state, e.err = pending, nil
 		}
 	}
@@ -292,7 +293,7 @@ func (t *Tracker) Requeue() []Retry {
 }
 
 // advance pops stored events and commit markers from the head. mu is held.
-func (t *Tracker) advance() {
+func (t *Tracker[T]) advance() {
 	n := 0
 	for ; n < len(t.entries); n++ {
 		e := &t.entries[n]
@@ -307,7 +308,8 @@ func (t *Tracker) advance() {
 		}
 		t.events--
 		t.bytes -= e.size
-		e.payload = nil
+		var zero T
+		e.payload = zero // the window no longer holds it
 	}
 	if n == 0 {
 		return
@@ -317,11 +319,11 @@ func (t *Tracker) advance() {
 	if len(t.entries) == 0 {
 		t.entries = nil // release the backing array of a drained window
 	} else if cap(t.entries) > 4*t.maxEvent+64 && len(t.entries) < cap(t.entries)/4 {
-		t.entries = append([]entry(nil), t.entries...)
+		t.entries = append([]entry[T](nil), t.entries...)
 	}
 }
 
-func (t *Tracker) wake() {
+func (t *Tracker[T]) wake() {
 	if !t.waiting {
 		return
 	}
@@ -332,7 +334,7 @@ func (t *Tracker) wake() {
 
 // Safe returns the highest LSN that may be confirmed: the end of the last
 // transaction that is fully acked along with every transaction before it.
-func (t *Tracker) Safe() pglogrepl.LSN {
+func (t *Tracker[T]) Safe() pglogrepl.LSN {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	return t.safe
@@ -341,7 +343,7 @@ func (t *Tracker) Safe() pglogrepl.LSN {
 // AdvanceIdle moves the safe position to lsn if the window is empty. The
 // caller must also know no transaction is open (between Begin and Commit); it
 // uses this for positions reported by server keepalives.
-func (t *Tracker) AdvanceIdle(lsn pglogrepl.LSN) bool {
+func (t *Tracker[T]) AdvanceIdle(lsn pglogrepl.LSN) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if len(t.entries) != 0 || lsn <= t.safe {
@@ -352,14 +354,14 @@ func (t *Tracker) AdvanceIdle(lsn pglogrepl.LSN) bool {
 }
 
 // InFlight returns the events in the window (not yet popped) and their bytes.
-func (t *Tracker) InFlight() (events, bytes int) {
+func (t *Tracker[T]) InFlight() (events, bytes int) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	return t.events, t.bytes
 }
 
 // Close wakes every waiter; later Adds return ErrClosed.
-func (t *Tracker) Close() {
+func (t *Tracker[T]) Close() {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.closed = true

@@ -14,7 +14,7 @@ import (
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-func add(t *testing.T, tr *Tracker, payload any) Ticket {
+func add(t *testing.T, tr *Tracker[string], payload string) Ticket {
 	t.Helper()
 	tk, err := tr.Add(context.Background(), 10, payload)
 	if err != nil {
@@ -24,7 +24,7 @@ func add(t *testing.T, tr *Tracker, payload any) Ticket {
 }
 
 func TestSafeMovesOnlyOverFullyAckedPrefix(t *testing.T) {
-	tr := New(100, 10, 0)
+	tr := New[string](100, 10, 0)
 	a1 := add(t, tr, "a1")
 	a2 := add(t, tr, "a2")
 	tr.Commit(200)
@@ -54,7 +54,7 @@ func TestSafeMovesOnlyOverFullyAckedPrefix(t *testing.T) {
 }
 
 func TestCommitWithEmptyWindowMovesAtOnce(t *testing.T) {
-	tr := New(100, 10, 0)
+	tr := New[string](100, 10, 0)
 	tr.Commit(150) // an empty transaction (Postgres < 15 sends them)
 	if tr.Safe() != 150 {
 		t.Fatalf("Safe() = %s", tr.Safe())
@@ -66,8 +66,8 @@ func TestCommitWithEmptyWindowMovesAtOnce(t *testing.T) {
 }
 
 func TestAdvanceIdleOnlyWhenWindowEmpty(t *testing.T) {
-	tr := New(100, 10, 0)
-	tk := add(t, tr, nil)
+	tr := New[string](100, 10, 0)
+	tk := add(t, tr, "")
 	if tr.AdvanceIdle(500) || tr.Safe() != 100 {
 		t.Fatalf("keepalive adopted with an event in flight: %s", tr.Safe())
 	}
@@ -83,7 +83,7 @@ func TestAdvanceIdleOnlyWhenWindowEmpty(t *testing.T) {
 }
 
 func TestFailedEventHoldsTheWindowUntilRequeued(t *testing.T) {
-	tr := New(100, 10, 0)
+	tr := New[string](100, 10, 0)
 	a := add(t, tr, "a")
 	b := add(t, tr, "b")
 	c := add(t, tr, "c")
@@ -111,7 +111,7 @@ func TestFailedEventHoldsTheWindowUntilRequeued(t *testing.T) {
 }
 
 func TestFailPendingAbandonsInFlight(t *testing.T) {
-	tr := New(0, 10, 0)
+	tr := New[string](0, 10, 0)
 	a := add(t, tr, "a")
 	add(t, tr, "b")
 	tr.Done(a)
@@ -124,17 +124,17 @@ func TestFailPendingAbandonsInFlight(t *testing.T) {
 }
 
 func TestAddBlocksWhenFullAndReportsFailures(t *testing.T) {
-	tr := New(0, 2, 0)
-	a := add(t, tr, nil)
-	b := add(t, tr, nil)
+	tr := New[string](0, 2, 0)
+	a := add(t, tr, "")
+	b := add(t, tr, "")
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
 	defer cancel()
-	if _, err := tr.Add(ctx, 10, nil); !errors.Is(err, context.DeadlineExceeded) {
+	if _, err := tr.Add(ctx, 10, ""); !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("Add on a full window: %v, want it to block until ctx ends", err)
 	}
 	got := make(chan error, 1)
 	go func() {
-		_, err := tr.Add(context.Background(), 10, nil)
+		_, err := tr.Add(context.Background(), 10, "")
 		got <- err
 	}()
 	tr.Fail(b, errors.New("boom")) // a failure must wake a blocked Add
@@ -143,7 +143,7 @@ func TestAddBlocksWhenFullAndReportsFailures(t *testing.T) {
 	}
 	tr.Requeue()
 	go func() {
-		_, err := tr.Add(context.Background(), 10, nil)
+		_, err := tr.Add(context.Background(), 10, "")
 		got <- err
 	}()
 	tr.Done(a) // room frees
@@ -151,33 +151,33 @@ func TestAddBlocksWhenFullAndReportsFailures(t *testing.T) {
 		t.Fatal(err)
 	}
 	tr.Close()
-	if _, err := tr.Add(context.Background(), 10, nil); !errors.Is(err, ErrClosed) {
+	if _, err := tr.Add(context.Background(), 10, ""); !errors.Is(err, ErrClosed) {
 		t.Fatalf("Add after Close: %v", err)
 	}
 }
 
 func TestByteBound(t *testing.T) {
-	tr := New(0, 100, 1000)
-	big, ok, _ := tr.TryAdd(5000, nil) // larger than the bound: admitted alone
+	tr := New[string](0, 100, 1000)
+	big, ok, _ := tr.TryAdd(5000, "") // larger than the bound: admitted alone
 	if !ok {
 		t.Fatal("an oversized event must be admitted into an empty window")
 	}
-	if _, ok, _ := tr.TryAdd(10, nil); ok {
+	if _, ok, _ := tr.TryAdd(10, ""); ok {
 		t.Fatal("admitted past the byte bound")
 	}
 	tr.Done(big)
-	if _, ok, _ := tr.TryAdd(600, nil); !ok {
+	if _, ok, _ := tr.TryAdd(600, ""); !ok {
 		t.Fatal("room not freed")
 	}
-	if _, ok, _ := tr.TryAdd(600, nil); ok {
+	if _, ok, _ := tr.TryAdd(600, ""); ok {
 		t.Fatal("admitted past the byte bound")
 	}
 }
 
 func TestWaitResolved(t *testing.T) {
-	tr := New(0, 10, 0)
-	a := add(t, tr, nil)
-	b := add(t, tr, nil)
+	tr := New[string](0, 10, 0)
+	a := add(t, tr, "")
+	b := add(t, tr, "")
 	done := make(chan error, 1)
 	go func() { done <- tr.WaitResolved(context.Background()) }()
 	tr.Done(a)
@@ -193,7 +193,7 @@ func TestWaitResolved(t *testing.T) {
 func TestRandomOrderProperty(t *testing.T) {
 	rng := rand.New(rand.NewSource(time.Now().UnixNano()))
 	for round := 0; round < 50; round++ {
-		tr := New(0, 1<<20, 0)
+		tr := New[string](0, 1<<20, 0)
 		type txn struct {
 			tickets []Ticket
 			end     pglogrepl.LSN
@@ -220,7 +220,7 @@ func TestRandomOrderProperty(t *testing.T) {
 		for i := 0; i < 200; i++ {
 			var tx txn
 			for j := 0; j < rng.Intn(5); j++ {
-				tk, err := tr.Add(context.Background(), 1, nil)
+				tk, err := tr.Add(context.Background(), 1, "")
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -267,21 +267,21 @@ func TestRandomOrderProperty(t *testing.T) {
 }
 
 func BenchmarkTrackAckCommit(b *testing.B) {
-	tr := New(0, 1024, 0)
+	tr := New[string](0, 1024, 0)
 	b.ReportAllocs()
 	for i := 0; i < b.N; i++ {
-		tk, _, _ := tr.TryAdd(100, nil)
+		tk, _, _ := tr.TryAdd(100, "")
 		tr.Done(tk)
 		tr.Commit(pglogrepl.LSN(i + 1))
 	}
 }
 
 func BenchmarkTrackPipelined(b *testing.B) {
-	tr := New(0, 1024, 0)
+	tr := New[string](0, 1024, 0)
 	tickets := make([]Ticket, 0, 512)
 	b.ReportAllocs()
 	for i := 0; i < b.N; i++ {
-		tk, _, _ := tr.TryAdd(100, nil)
+		tk, _, _ := tr.TryAdd(100, "")
 		tickets = append(tickets, tk)
 		if len(tickets) == cap(tickets) {
 			for _, tk := range tickets {
@@ -294,8 +294,8 @@ func BenchmarkTrackPipelined(b *testing.B) {
 }
 
 func TestConsecutiveCommitsCollapse(t *testing.T) {
-	tr := New(0, 10, 0)
-	e := add(t, tr, nil)
+	tr := New[string](0, 10, 0)
+	e := add(t, tr, "")
 	for lsn := pglogrepl.LSN(100); lsn <= 1000; lsn += 100 {
 		tr.Commit(lsn) // empty transactions behind a pending event
 	}
@@ -314,7 +314,7 @@ func TestConsecutiveCommitsCollapse(t *testing.T) {
 // TestBlocked: Blocked holds from an add that found no room until there is
 // room for that event again or an add fits.
 func TestBlocked(t *testing.T) {
-	tr := New(0, 2, 100)
+	tr := New[string](0, 2, 100)
 	if tr.Blocked() {
 		t.Fatal("blocked before any add")
 	}
@@ -339,7 +339,7 @@ func TestBlocked(t *testing.T) {
 
 // TestWaitResolvedBefore waits for the events before a ticket only.
 func TestWaitResolvedBefore(t *testing.T) {
-	tr := New(0, 10, 0)
+	tr := New[string](0, 10, 0)
 	a := add(t, tr, "a")
 	b := add(t, tr, "b")
 	tr.Commit(10)

@@ -56,6 +56,11 @@ func (e *HistoryError) Error() string {
 // Permanent marks the error as one to stop on.
 func (e *HistoryError) Permanent() bool { return true }
 
+// sourceOf is the WAL history an event comes from (decoder.Event.Source).
+func sourceOf(sys pglogrepl.IdentifySystemResult, slot string) string {
+	return fmt.Sprintf("%s/%d/%s/%s", sys.SystemID, sys.Timeline, sys.DBName, slot)
+}
+
 // source is a parsed Jetbox-Source.
 type source struct {
 	systemID string

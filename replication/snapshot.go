@@ -32,11 +32,6 @@ import (
 // stream, or another process holds it); the error says what to do.
 var ErrRepairRefused = errors.New("repair refused")
 
-// sourceOf is the WAL history an event comes from (decoder.Event.Source).
-func sourceOf(sys pglogrepl.IdentifySystemResult, slot string) string {
-	return fmt.Sprintf("%s/%d/%s/%s", sys.SystemID, sys.Timeline, sys.DBName, slot)
-}
-
 // RepairMarker is the name of the marker of an unfinished repair of slot: a
 // physical slot that reserves no WAL, created before the repair touches the
 // logical slot and dropped once every row of its snapshot is stored. While
@@ -107,10 +102,6 @@ type Repair struct {
 	cols []decoder.TableColumn
 	sel  string // the outbox columns, in cols order
 }
-
-// pinnedParams fix the text output of values: the same as the walsender's.
-var pinnedParams = map[string]string{"DateStyle": "ISO", "IntervalStyle": "postgres", "TimeZone": "UTC",
-	"bytea_output": "hex", "extra_float_digits": "3", "client_encoding": "UTF8"}
 
 // OpenRepair prepares a repair of cfg.Slot. It refuses (ErrRepairRefused)
 // when the slot is held by a walsender or is a valid slot no unfinished
@@ -183,15 +174,11 @@ func OpenRepair(ctx context.Context, connString string, cfg Config, opt RepairOp
 		return nil, err
 	}
 
-	cc, err := pgconn.ParseConfig(connString)
+	cc, err := replicationConfig(connString)
 	if err != nil {
-		return nil, fmt.Errorf("parse postgres URL: %w", err)
+		return nil, err
 	}
-	cc.RuntimeParams["replication"] = "database"
 	cc.RuntimeParams["application_name"] = "jetbox repair"
-	for k, v := range pinnedParams {
-		cc.RuntimeParams[k] = v
-	}
 	if r.repl, err = pgconn.ConnectConfig(ctx, cc); err != nil {
 		return nil, fmt.Errorf("connect for replication: %w", err)
 	}

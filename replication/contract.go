@@ -1,0 +1,34 @@
+package replication
+
+import (
+	"context"
+
+	"github.com/jetbox-dev/jetbox/decoder"
+)
+
+// Sink is where events go: one Session per replication session, and a new
+// one after publish failures. Open may fail (the stream is unreachable); an
+// error that implements Permanent() true stops jetbox.
+type Sink interface {
+	// Open starts a session for events from source (see decoder.Event.Source).
+	Open(ctx context.Context, source string) (Session, error)
+}
+
+// Session publishes the events of one replication session.
+type Session interface {
+	// Publish sends ev. done is called exactly once, with nil once JetStream
+	// stored it, unless Close gave up waiting. A returned error means ev was
+	// not sent and done will not be called.
+	Publish(ev *decoder.Event, done func(error)) error
+	// EndTransaction says the events published since the previous one
+	// complete a transaction. A session that publishes whole transactions
+	// as atomic batches holds a transaction's events until then.
+	EndTransaction()
+	// Flush is called when the window is full, before the loop waits for
+	// room. blocked (safe for any goroutine) reports whether the loop still
+	// waits with no room: a session holding events back sends them once
+	// nothing else it sent can free the window, so the wait cannot deadlock.
+	Flush(blocked func() bool)
+	// Close waits (bounded by ctx) until every done was called.
+	Close(ctx context.Context) error
+}

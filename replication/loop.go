@@ -1,0 +1,218 @@
+package replication
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgproto3"
+	"github.com/jetbox-dev/jetbox/checkpoint"
+	"github.com/jetbox-dev/jetbox/decoder"
+	"github.com/rs/zerolog"
+)
+
+// loop is the state of one session's receive loop. Only its goroutine touches conn.
+type loop struct {
+	s       *Streamer
+	conn    *pgconn.PgConn
+	log     zerolog.Logger
+	tracker *checkpoint.Tracker[*decoder.Event]
+	dec     *decoder.Decoder
+	sess    Session
+	source  string
+
+	nextStatus time.Time
+	deadline   time.Time // read deadline currently set on the socket
+	lastRecv   time.Time
+	sent       pglogrepl.LSN
+	txLSN      pglogrepl.LSN // commit LSN of the transaction being read, once it has events; 0 otherwise
+}
+
+func (l *loop) run(ctx context.Context) error {
+	netConn := l.conn.Conn()
+	// Wake a blocked read when ctx ends.
+	stop := context.AfterFunc(ctx, func() { _ = netConn.SetReadDeadline(time.Now()) })
+	defer stop()
+	defer func() { _ = netConn.SetReadDeadline(time.Time{}) }()
+
+	l.lastRecv = time.Now()
+	if err := l.sendStatus(true); err != nil {
+		return err
+	}
+	for {
+		if n, err := l.tracker.Failures(); n > 0 {
+			if err := l.republish(ctx, n, err); err != nil {
+				return err
+			}
+		}
+		now := time.Now()
+		if !now.Before(l.nextStatus) {
+			if err := l.sendStatus(true); err != nil {
+				return err
+			}
+		}
+		if !l.deadline.Equal(l.nextStatus) {
+			l.deadline = l.nextStatus
+			if err := netConn.SetReadDeadline(l.deadline); err != nil {
+				return fmt.Errorf("set read deadline: %w", err)
+			}
+		}
+		if ctx.Err() != nil {
+			return nil
+		}
+		select {
+		case err := <-l.s.fatal:
+			return err
+		default:
+		}
+		msg, err := l.conn.ReceiveMessage(context.Background())
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			if pgconn.Timeout(err) {
+				l.deadline = time.Time{} // the socket may hold a deadline in the past
+				if since := time.Since(l.lastRecv); since > l.s.cfg.Timeout {
+					return fmt.Errorf("no message from postgres for %s (network cut or half-open connection): reconnecting", since.Round(time.Second))
+				}
+				continue
+			}
+			return fmt.Errorf("receive replication message: %w", err)
+		}
+		l.lastRecv = time.Now()
+		switch m := msg.(type) {
+		case *pgproto3.CopyData:
+			if err := l.handle(ctx, m.Data); err != nil {
+				return err
+			}
+		case *pgproto3.ErrorResponse:
+			return pgconn.ErrorResponseToPgError(m)
+		case *pgproto3.NoticeResponse:
+			l.log.Warn().Str("notice", m.Message).Msg("postgres notice")
+		case *pgproto3.ParameterStatus:
+		default:
+			return fmt.Errorf("replication stream ended by the server (%T)", msg)
+		}
+	}
+}
+
+func (l *loop) handle(ctx context.Context, data []byte) error {
+	if len(data) == 0 {
+		return fmt.Errorf("%w: empty CopyData", decoder.ErrProtocol)
+	}
+	switch data[0] {
+	case pglogrepl.PrimaryKeepaliveMessageByteID:
+		ka, err := pglogrepl.ParsePrimaryKeepaliveMessage(data[1:])
+		if err != nil {
+			return fmt.Errorf("%w: %v", decoder.ErrProtocol, err)
+		}
+		// Idle: nothing in flight and no open transaction, so every change up
+		// to the server's position was either published or not an outbox row.
+		if !l.dec.InTransaction() {
+			l.tracker.AdvanceIdle(ka.ServerWALEnd)
+		}
+		if ka.ReplyRequested {
+			return l.sendStatus(false)
+		}
+		return nil
+	case pglogrepl.XLogDataByteID:
+		xld, err := pglogrepl.ParseXLogData(data[1:])
+		if err != nil {
+			return fmt.Errorf("%w: %v", decoder.ErrProtocol, err)
+		}
+		msg, err := l.dec.Decode(xld.WALData)
+		if err != nil {
+			return err
+		}
+		switch msg.Kind {
+		case decoder.KindEvent:
+			msg.Event.Source = l.source
+			if msg.Event.DeadLetter != nil {
+				l.deadLettered(msg.Event.DeadLetter, msg.Event.Subject)
+			}
+			l.txLSN = msg.Event.CommitLSN
+			return l.publish(ctx, &msg.Event)
+		case decoder.KindCommit:
+			l.tracker.Commit(msg.EndLSN)
+			l.sess.EndTransaction()
+			l.txLSN = 0
+			l.s.cfg.Metrics.Transactions.Inc()
+		}
+		return nil
+	default:
+		return fmt.Errorf("%w: unknown CopyData message %q", decoder.ErrProtocol, data[0])
+	}
+}
+
+// publish tracks ev, waiting for room in the window while keeping status
+// updates flowing, then hands it to the sink.
+func (l *loop) publish(ctx context.Context, ev *decoder.Event) error {
+	size := len(ev.Payload) + 256
+	if ticket, ok, err := l.tracker.TryAdd(size, ev); ok || err != nil {
+		if ok {
+			l.send(ticket, ev)
+		}
+		return err
+	}
+	for {
+		l.sess.Flush(l.tracker.Blocked) // the window is full
+		wctx, cancel := context.WithDeadline(ctx, l.nextStatus)
+		ticket, err := l.tracker.Add(wctx, size, ev)
+		cancel()
+		switch {
+		case err == nil:
+			l.send(ticket, ev)
+			return nil
+		case ctx.Err() != nil:
+			return ctx.Err()
+		case errors.Is(err, checkpoint.ErrFailures):
+			n, cause := l.tracker.Failures()
+			if err := l.republish(ctx, n, cause); err != nil {
+				return err
+			}
+		case errors.Is(err, context.DeadlineExceeded):
+			if err := l.sendStatus(false); err != nil {
+				return err
+			}
+		default:
+			return err
+		}
+		l.lastRecv = time.Now() // not reading while blocked: not a sign of a dead server
+	}
+}
+
+// send publishes one tracked event; every outcome resolves its ticket.
+func (l *loop) send(ticket checkpoint.Ticket, ev *decoder.Event) {
+	id, lsn := ev.ID, ev.CommitLSN
+	wrap := func(err error) error { return fmt.Errorf("publish id=%s (transaction %s): %w", id, lsn, err) }
+	err := l.sess.Publish(ev, func(err error) {
+		if err == nil {
+			l.tracker.Done(ticket)
+		} else {
+			l.tracker.Fail(ticket, wrap(err))
+		}
+	})
+	if err != nil {
+		l.tracker.Fail(ticket, wrap(err))
+	}
+}
+
+// deadLetterable returns the invalid-row error in err when dead-lettering
+// is on and a dead letter may replace the row.
+func (l *loop) deadLetterable(err error) *decoder.InvalidEventError {
+	var ie *decoder.InvalidEventError
+	if l.s.cfg.Decoder.DeadLetterSubject != "" && errors.As(err, &ie) && ie.DeadLetterable() {
+		return ie
+	}
+	return nil
+}
+
+func (l *loop) deadLettered(cause *decoder.InvalidEventError, subject string) {
+	l.s.cfg.Metrics.InvalidRows.WithLabelValues(cause.Code, "dead-letter").Inc()
+	l.log.Warn().Str("event_id", cause.ID).Str("lsn", cause.LSN.String()).Int("tx_index", cause.TxIndex).
+		Str("reason", cause.Code).Str("dead_letter_subject", subject).Str("error", cause.Error()).
+		Msg("outbox row cannot be published: sending a dead letter instead")
+}

@@ -1,0 +1,149 @@
+package replication
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jetbox-dev/jetbox/checkpoint"
+	"github.com/jetbox-dev/jetbox/decoder"
+	"github.com/jetbox-dev/jetbox/internal/metrics"
+)
+
+// session is one replication connection from START_REPLICATION to its end.
+func (s *Streamer) session(ctx context.Context) (err error) {
+	// Bound the whole set-up: a blackholed network would hang it forever.
+	sctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
+	defer cancel()
+	conn, err := pgconn.ConnectConfig(sctx, s.connCfg)
+	if err != nil {
+		return fmt.Errorf("connect for replication: %w", err)
+	}
+	defer func() {
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+		defer cancel()
+		conn.Close(cctx)
+	}()
+
+	// Never start a new history silently: the server must continue the
+	// stream's (slot kept, no rewind, a timeline that branched after it).
+	ts, _ := s.sink.(TipSource)
+	srv, err := checkHistory(sctx, conn, s.cfg, ts, s.log)
+	if err != nil {
+		return err
+	}
+	if err := s.checkOutboxOID(sctx, conn); err != nil {
+		return err
+	}
+	sys := srv.sys
+	start, err := slotPosition(sctx, conn, s.cfg.Slot)
+	if err != nil {
+		return err
+	}
+	source := sourceOf(sys, s.cfg.Slot)
+	// Open the sink before streaming starts: no walsender waits on us yet.
+	sess, err := s.sink.Open(sctx, source)
+	if err != nil {
+		return fmt.Errorf("open publishing session: %w", err)
+	}
+	args := []string{"proto_version '1'", "publication_names " + quoteLiteral(quoteIdent(s.cfg.Publication))}
+	// Start at 0/0: the server resumes from the slot's confirmed_flush_lsn.
+	if err := pglogrepl.StartReplication(sctx, conn, quoteIdent(s.cfg.Slot), 0,
+		pglogrepl.StartReplicationOptions{Mode: pglogrepl.LogicalReplication, PluginArgs: args}); err != nil {
+		_ = sess.Close(context.WithoutCancel(ctx))
+		return fmt.Errorf("start replication on slot %q: %w", s.cfg.Slot, err)
+	}
+	log := s.log.With().Str("publication", s.cfg.Publication).Logger()
+	if s.State() == metrics.StateStandby {
+		log.Info().Str("confirmed_lsn", start.String()).Msg("took over the slot")
+	}
+	log.Info().Str("confirmed_lsn", start.String()).Str("source", source).Msg("streaming")
+	s.setState(metrics.StateStreaming)
+
+	l := &loop{
+		s:       s,
+		conn:    conn,
+		log:     log,
+		tracker: checkpoint.New[*decoder.Event](start, s.cfg.MaxInFlight, s.cfg.MaxInFlightBytes),
+		dec:     decoder.New(s.cfg.Decoder),
+		sess:    sess,
+		source:  source,
+	}
+	l.dec.SetOutbox(s.outbox)
+	s.sent.Store(uint64(start))
+	err = l.run(ctx)
+	return l.finish(ctx, err)
+}
+
+// checkOutboxOID reads the outbox table's relation OID over the replication
+// connection. The first session records it, with the WAL position it was
+// read at, for the decoders and the monitor; a later session that finds
+// another OID stops jetbox: the table was dropped and recreated meanwhile.
+func (s *Streamer) checkOutboxOID(ctx context.Context, conn *pgconn.PgConn) error {
+	table := s.cfg.quotedTable()
+	res, err := conn.Exec(ctx, "SELECT coalesce(to_regclass("+quoteLiteral(table)+")::oid, 0)::text, pg_current_wal_lsn()::text").ReadAll()
+	if err != nil {
+		return fmt.Errorf("read the relation OID of %s: %w", s.cfg.qualifiedTable(), err)
+	}
+	if len(res) != 1 || len(res[0].Rows) != 1 {
+		return fmt.Errorf("read the relation OID of %s: no row", s.cfg.qualifiedTable())
+	}
+	oid, err := strconv.ParseUint(string(res[0].Rows[0][0]), 10, 32)
+	if err != nil {
+		return fmt.Errorf("parse the relation OID of %s: %w", s.cfg.qualifiedTable(), err)
+	}
+	lsn, err := pglogrepl.ParseLSN(string(res[0].Rows[0][1]))
+	if err != nil {
+		return fmt.Errorf("parse pg_current_wal_lsn: %w", err)
+	}
+	switch first := s.outbox.OID; {
+	case oid == 0: // dropped: the monitor and the publication check report it
+	case first == 0:
+		s.outbox = decoder.OutboxIdentity{OID: uint32(oid), LSN: lsn}
+		s.startOID.Store(uint32(oid))
+	case uint32(oid) != first:
+		return &PermanentError{Err: s.replacedError(first, uint32(oid), "while jetbox was reconnecting")}
+	}
+	return nil
+}
+
+// slotPosition reads the slot's confirmed_flush_lsn over the replication
+// connection (walsenders in database mode accept simple SQL).
+func slotPosition(ctx context.Context, conn *pgconn.PgConn, slot string) (pglogrepl.LSN, error) {
+	res, err := conn.Exec(ctx, "SELECT coalesce(confirmed_flush_lsn::text, '0/0') FROM pg_replication_slots WHERE slot_name = "+quoteLiteral(slot)).ReadAll()
+	if err != nil {
+		return 0, fmt.Errorf("read slot %q: %w", slot, err)
+	}
+	if len(res) != 1 || len(res[0].Rows) == 0 {
+		return 0, &PermanentError{Err: fmt.Errorf("replication slot %q does not exist (dropped while jetbox ran?): rows committed since it was dropped cannot be streamed; re-publish them from the table, then restart jetbox, which creates a new slot", slot)}
+	}
+	lsn, err := pglogrepl.ParseLSN(string(res[0].Rows[0][0]))
+	if err != nil {
+		return 0, fmt.Errorf("parse confirmed_flush_lsn of slot %q: %w", slot, err)
+	}
+	return lsn, nil
+}
+
+// finish ends the session: it stops reading, waits (bounded) for in-flight
+// acks, confirms what is safe, and returns the session's error.
+func (l *loop) finish(ctx context.Context, runErr error) error {
+	// Bound every write of the shutdown path: the connection may be dead.
+	_ = l.conn.Conn().SetDeadline(time.Now().Add(l.s.cfg.ShutdownTimeout + 2*time.Second))
+	if err := l.closeSession(ctx, l.s.cfg.ShutdownTimeout); err != nil && runErr == nil {
+		runErr = err
+	}
+	l.tracker.Close()
+	if err := l.sendStatus(false); err != nil && runErr == nil {
+		l.log.Warn().Err(err).Msg("final standby status not sent")
+	}
+	events, _ := l.tracker.InFlight()
+	l.log.Info().Str("confirmed_lsn", l.tracker.Safe().String()).Int("unacked", events).Msg("replication session stopped")
+	if ctx.Err() != nil && (runErr == nil || errors.Is(runErr, context.Canceled)) {
+		return nil
+	}
+	return runErr
+}
