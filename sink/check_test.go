@@ -3,6 +3,7 @@ package sink_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -42,13 +43,22 @@ func TestCheckExactlyOnceStream(t *testing.T) {
 		{"long max age", jetstream.StreamConfig{MaxAge: 24 * time.Hour}, false, "warning", "max age 24h0m0s"},
 		{"extra subjects", jetstream.StreamConfig{Subjects: []string{"outbox.>", "other.>"}}, false, "warning", `also captures ["other.>"]`},
 	}
-	for _, c := range cases {
+	// Each case has a stream of its own name: a stream created right after
+	// one of the same name was deleted can come back with the deleted one's
+	// messages (seen with the embedded nats-server: the foreign case's
+	// message in the next case's new stream).
+	prev := ""
+	for i, c := range cases {
+		name := fmt.Sprintf("OUTBOX%d", i)
 		t.Run(c.name, func(t *testing.T) {
-			if err := js.DeleteStream(ctx, "OUTBOX"); err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
-				t.Fatalf("delete the previous case's stream: %v", err)
+			if prev != "" {
+				if err := js.DeleteStream(ctx, prev); err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
+					t.Fatalf("delete the previous case's stream: %v", err)
+				}
 			}
+			prev = name
 			sc := c.cfg
-			sc.Name = "OUTBOX"
+			sc.Name = name
 			if sc.Subjects == nil {
 				sc.Subjects = []string{"outbox.>"}
 			}
@@ -61,7 +71,7 @@ func TestCheckExactlyOnceStream(t *testing.T) {
 				}
 			}
 			cfg := baseConfig()
-			cfg.ExactlyOnce = true
+			cfg.Stream, cfg.ExactlyOnce = name, true
 			found := findings(newPublisher(t, n, cfg).Check(ctx, 10*time.Minute), "nats.exactly_once")
 			var hit *check.Finding
 			for i, f := range found {
@@ -89,7 +99,7 @@ func TestCheckExactlyOnceStream(t *testing.T) {
 	}
 
 	// A stream jetbox creates supports exactly-once.
-	_ = js.DeleteStream(ctx, "OUTBOX")
+	_ = js.DeleteStream(ctx, prev)
 	cfg := baseConfig()
 	cfg.ExactlyOnce = true
 	p := newPublisher(t, n, cfg)
