@@ -269,11 +269,8 @@ func (p *Publisher) probe(ctx context.Context, subject, id string, n int, commit
 // without it: Close fails the transaction's other events). Called from one
 // goroutine.
 func (s *AtomicSession) Publish(ev *decoder.Event, done func(error)) error {
-	pos := Position{CommitLSN: uint64(ev.CommitLSN), TxIndex: ev.TxIndex}
-	if s.cur.replay(pos) {
-		// A replay of an event the stream already holds (at or before its last message).
-		s.p.record(outDuplicate, 1)
-		done(nil)
+	pos := eventPos(ev)
+	if s.p.skipReplay(s.cur, pos, done) {
 		return nil
 	}
 	h := s.p.header(ev, &s.tx, 4)

@@ -3,7 +3,6 @@ package sink_test
 import (
 	"context"
 	"errors"
-	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -48,8 +47,8 @@ func TestCheckExactlyOnceStream(t *testing.T) {
 	// messages (seen with the embedded nats-server: the foreign case's
 	// message in the next case's new stream).
 	prev := ""
-	for i, c := range cases {
-		name := fmt.Sprintf("OUTBOX%d", i)
+	for _, c := range cases {
+		name := "OUTBOX_" + strings.ReplaceAll(c.name, " ", "_")
 		t.Run(c.name, func(t *testing.T) {
 			if prev != "" {
 				if err := js.DeleteStream(ctx, prev); err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {

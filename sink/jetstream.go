@@ -236,10 +236,8 @@ func (p *Publisher) open(ctx context.Context, source string, repair bool) (*Sess
 // abandoned by a Close whose ctx expired. An error returned here means the
 // message was not sent and done will not be called.
 func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
-	pos := Position{CommitLSN: uint64(ev.CommitLSN), TxIndex: ev.TxIndex}
-	if s.cur.replay(pos) {
-		s.p.record(outDuplicate, 1)
-		done(nil)
+	pos := eventPos(ev)
+	if s.p.skipReplay(s.cur, pos, done) {
 		return nil
 	}
 	if ev.ID == s.prevID && pos != s.prevPos {

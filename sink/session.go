@@ -95,6 +95,22 @@ type cursor struct {
 // (at or before its last message): exactly-once mode skips it.
 func (c cursor) replay(pos Position) bool { return c.skip && !c.pos.Less(pos) }
 
+// skipReplay skips the event at pos if it is a replay (see cursor.replay):
+// it counts as a duplicate and its done is called with nil at once.
+func (p *Publisher) skipReplay(c cursor, pos Position, done func(error)) bool {
+	if !c.replay(pos) {
+		return false
+	}
+	p.record(outDuplicate, 1)
+	done(nil)
+	return true
+}
+
+// eventPos is ev's position: where its message goes in the stream.
+func eventPos(ev *decoder.Event) Position {
+	return Position{CommitLSN: uint64(ev.CommitLSN), TxIndex: ev.TxIndex}
+}
+
 // covers reports whether a Duplicate PubAck for the event at pos is a replay
 // without looking at the original.
 func (c cursor) covers(pos Position) bool { return c.watermark && !c.pos.Less(pos) }
