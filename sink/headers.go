@@ -35,13 +35,15 @@ const CommitTimeLayout = "2006-01-02T15:04:05.000000000Z07:00"
 //
 // For a consumer it is more than the duplicate window gives. Nats-Msg-Id
 // drops a replay only while the original is inside the stream's duplicate
-// window; a Position orders messages of one Jetbox-Source at any age, so a
-// consumer that keeps the highest Position it processed (one value per
+// window; a Position orders the messages of one Jetbox-Source at any age.
+// With the order guard on (the default, and always with exactly-once
+// delivery) the stream holds each source's first copies in position order,
+// so a consumer that keeps the highest Position it processed (one value per
 // source, not a set of ids) can skip any message at or before it: a replay
 // stored again after the window (dedup mode after a slot rewind or a long
-// outage), or a redelivery. With exactly-once delivery it strictly increases
-// along the stream. Positions of different sources (databases, slots,
-// clusters) are not comparable.
+// outage), or a redelivery. With exactly-once delivery positions strictly
+// increase along the stream. Positions of different sources (databases,
+// slots, clusters) are not comparable.
 type Position struct {
 	CommitLSN uint64
 	TxIndex   int
