@@ -19,10 +19,6 @@ import (
 	"github.com/synadia-io/orbit.go/jetstreamext"
 )
 
-// HeaderTxLast is "true" on the last message of each transaction when
-// transactions are published atomically (Config.AtomicTransactions).
-const HeaderTxLast = "Jetbox-Tx-Last"
-
 // DefaultAtomicBatch is JetStream's default limit on the messages of one
 // atomic batch (server setting jetstream { limits { batch { max_msgs } } }).
 const DefaultAtomicBatch = 1000
@@ -62,11 +58,9 @@ type AtomicSession struct {
 	ctx     context.Context
 	cancel  context.CancelFunc // ends a batch in flight when Close gives up
 
-	// exactly-once resume point: the stream's last message at open
-	last    Position
-	hasLast bool
-	source  string // this writer's WAL history (Jetbox-Source)
-	tx      txText // Publish's goroutine only
+	cur    cursor // exactly-once resume point: the stream's last message at open (session.go)
+	source string // this writer's WAL history (Jetbox-Source)
+	tx     txText // Publish's goroutine only
 
 	mu      sync.Mutex
 	wake    *sync.Cond              // on mu: a unit was sealed, or the session closes
@@ -104,11 +98,11 @@ func (p *Publisher) OpenAtomic(ctx context.Context, source string) (*AtomicSessi
 	if !p.cfg.ExactlyOnce {
 		return nil, errors.New("atomic transactions need exactly-once delivery")
 	}
-	r := &Session{p: p, source: source}
-	if err := r.resume(ctx); err != nil {
+	c, err := p.resume(ctx, source, false)
+	if err != nil {
 		return nil, err
 	}
-	cfg := r.stream.CachedInfo().Config
+	cfg := c.stream.CachedInfo().Config
 	if err := p.atomicSupport(cfg.AllowAtomicPublish); err != nil {
 		return nil, err
 	}
@@ -128,7 +122,7 @@ func (p *Publisher) OpenAtomic(ctx context.Context, source string) (*AtomicSessi
 		maxSize = m
 	}
 	s := &AtomicSession{p: p, max: limit, maxSize: maxSize, done: make(chan struct{}),
-		nextSeq: r.nextSeq, last: r.last, hasLast: r.nextSeq > 0, source: source}
+		nextSeq: c.seq, cur: c, source: source}
 	s.ctx, s.cancel = context.WithCancel(context.WithoutCancel(ctx))
 	s.wake = sync.NewCond(&s.mu)
 	go s.watchConn(p.nc.StatusChanged(nats.RECONNECTING, nats.CLOSED))
@@ -275,12 +269,8 @@ func (p *Publisher) probe(ctx context.Context, subject, id string, n int, commit
 // without it: Close fails the transaction's other events). Called from one
 // goroutine.
 func (s *AtomicSession) Publish(ev *decoder.Event, done func(error)) error {
-	pos := Position{CommitLSN: uint64(ev.CommitLSN), TxIndex: ev.TxIndex}
-	if s.hasLast && !s.last.Less(pos) {
-		// A replay of an event the stream already holds (at or before its last message).
-		s.p.stats.duplicates.Add(1)
-		s.p.cfg.Metrics.Duplicates.Inc()
-		done(nil)
+	pos := eventPos(ev)
+	if s.p.skipReplay(s.cur, pos, done) {
 		return nil
 	}
 	h := s.p.header(ev, &s.tx, 4)
@@ -290,7 +280,7 @@ func (s *AtomicSession) Publish(ev *decoder.Event, done func(error)) error {
 		s.mu.Lock()
 		s.failed = true
 		s.mu.Unlock()
-		return tooLarge(ev.ID, ev.CommitLSN, ev.TxIndex, fmt.Sprintf("message of about %d bytes (payload %d) is over the limit of %d bytes (the server's max_payload or the stream's max_msg_size)", size, len(ev.Payload), s.maxSize))
+		return tooLarge(ev.ID, pos, fmt.Sprintf("message of about %d bytes (payload %d) is over the limit of %d bytes (the server's max_payload or the stream's max_msg_size)", size, len(ev.Payload), s.maxSize))
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -415,10 +405,8 @@ func fail(msgs []batchMsg, err error) {
 // done. It expects the stream's last sequence on the first message.
 func (s *AtomicSession) publish(batch []batchMsg) error {
 	if i, j := repeatedID(batch); j >= 0 {
-		return &batchError{culprit: j, err: &decoder.InvalidEventError{ID: batch[j].id, LSN: pglogrepl.LSN(batch[j].pos.CommitLSN), TxIndex: batch[j].pos.TxIndex,
-			Code: decoder.ReasonDuplicateID, Column: "id",
-			Reason: fmt.Sprintf("the id repeats row %d of transaction %s, in the same atomic batch: JetStream would refuse the whole batch", batch[i].pos.TxIndex, pglogrepl.LSN(batch[i].pos.CommitLSN)),
-			Hint:   duplicateHint}}
+		return &batchError{culprit: j, err: duplicateID(batch[j].id, batch[j].pos,
+			fmt.Sprintf("the id repeats row %d of transaction %s, in the same atomic batch: JetStream would refuse the whole batch", batch[i].pos.TxIndex, pglogrepl.LSN(batch[i].pos.CommitLSN)))}
 	}
 	msgs := make([]*nats.Msg, len(batch))
 	for i := range batch {
@@ -452,11 +440,9 @@ func (s *AtomicSession) publish(batch []batchMsg) error {
 	}
 	s.nextSeq = ack.Sequence
 	s.p.raiseAcked(ack.Sequence)
-	m := s.p.cfg.Metrics
-	s.p.stats.published.Add(uint64(len(batch)))
-	m.Published.Add(float64(len(batch)))
+	s.p.record(outStored, len(batch))
 	for _, b := range batch {
-		m.Latency.Observe(time.Since(b.committed).Seconds())
+		s.p.cfg.Metrics.Latency.Observe(time.Since(b.committed).Seconds())
 		b.done(nil)
 	}
 	return nil
@@ -493,8 +479,7 @@ func (s *AtomicSession) failBatch(batch []batchMsg, err error) {
 	s.failed = true
 	rest := s.takeAll()
 	s.mu.Unlock()
-	s.p.stats.errors.Add(uint64(len(batch)))
-	s.p.cfg.Metrics.PublishErrors.Add(float64(len(batch)))
+	s.p.record(outFailed, len(batch))
 
 	culprit, err := s.explain(batch, err)
 	first, lastm := batch[0].pos, batch[len(batch)-1].pos
@@ -558,9 +543,7 @@ func (s *AtomicSession) explain(batch []batchMsg, err error) (int, error) {
 				return -1, fmt.Errorf("%w (and finding the repeated id failed: %v)", err, perr)
 			}
 			if code == jetstreamext.JSErrCodeBatchPublishDuplicateMsgID {
-				return i, &decoder.InvalidEventError{ID: b.id, LSN: pglogrepl.LSN(b.pos.CommitLSN), TxIndex: b.pos.TxIndex, Code: decoder.ReasonDuplicateID, Column: "id",
-					Reason: "the id is already used by a message inside the stream's duplicate window: JetStream refuses the whole atomic batch",
-					Hint:   duplicateHint}
+				return i, duplicateID(b.id, b.pos, "the id is already used by a message inside the stream's duplicate window: JetStream refuses the whole atomic batch")
 			}
 		}
 		return -1, &PermanentError{Err: fmt.Errorf("JetStream refused an atomic batch for a repeated id, and no row of it repeats one now: %w", err),
@@ -587,7 +570,7 @@ func (s *AtomicSession) streamHolds(ctx context.Context, pos Position) (bool, er
 	if err != nil {
 		return false, err
 	}
-	last, ok := positionOf(m.Header)
+	last, ok := ParsePosition(m.Header)
 	return ok && sameWriter(m.Header.Get(HeaderSource), s.source) && !last.Less(pos), nil
 }
 
@@ -607,7 +590,7 @@ func (s *AtomicSession) oversized(batch []batchMsg) (int, error) {
 		// What the server measures: the payload and the encoded headers,
 		// including the batch's own.
 		if size := len(b.msg.Data) + headerSize(b.msg.Header); size > limit {
-			return i, tooLarge(b.id, pglogrepl.LSN(b.pos.CommitLSN), b.pos.TxIndex,
+			return i, tooLarge(b.id, b.pos,
 				fmt.Sprintf("message of %d bytes (payload %d) is over %s of %d bytes (lowered while jetbox ran?): JetStream refused its atomic batch", size, len(b.msg.Data), what, limit))
 		}
 	}

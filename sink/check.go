@@ -179,7 +179,7 @@ func (p *Publisher) checkExactlyOnce(ctx context.Context, l *check.List, s jetst
 	if st.LastSeq > 0 {
 		if m, err := s.GetMsg(ctx, st.LastSeq); err != nil {
 			refuse(fmt.Sprintf("cannot read the stream's last message (seq %d), where exactly-once resumes: %v", st.LastSeq, err))
-		} else if _, ok := positionOf(m.Header); !ok {
+		} else if _, ok := ParsePosition(m.Header); !ok {
 			refuse(fmt.Sprintf("the stream's last message (seq %d, subject %s) was not written by jetbox: another publisher writes the stream", st.LastSeq, m.Subject))
 		} else if problems == 0 {
 			l.Add(check.Info, name, fmt.Sprintf("exactly-once: resumes after seq %d", st.LastSeq), "")

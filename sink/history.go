@@ -44,7 +44,7 @@ func (p *Publisher) Tip(ctx context.Context) (Tip, bool, error) {
 	if err != nil {
 		return Tip{}, false, fmt.Errorf("read the last message on %s.> of stream %q: %w", p.cfg.SubjectPrefix, p.cfg.Stream, err)
 	}
-	pos, ok := positionOf(m.Header)
+	pos, ok := ParsePosition(m.Header)
 	src := m.Header.Get(HeaderSource)
 	if !ok || src == "" {
 		return Tip{}, false, nil

@@ -40,21 +40,6 @@ import (
 	"github.com/rs/zerolog"
 )
 
-// Header names jetbox sets on every message.
-const (
-	HeaderAggregateType = "Jetbox-Aggregate-Type"
-	HeaderAggregateID   = "Jetbox-Aggregate-Id"
-	HeaderEventType     = "Jetbox-Event-Type"
-	HeaderCommitLSN     = "Jetbox-Commit-LSN"
-	HeaderCommitTime    = "Jetbox-Commit-Time"
-	HeaderTxIndex       = "Jetbox-Tx-Index"
-	HeaderSource        = "Jetbox-Source" // <system id>/<timeline>/<database>/<slot>
-)
-
-// CommitTimeLayout is the format of Jetbox-Commit-Time: RFC 3339 in UTC with
-// nanoseconds always printed, so the strings sort like the times.
-const CommitTimeLayout = "2006-01-02T15:04:05.000000000Z07:00"
-
 // Config configures publishing.
 type Config struct {
 	Stream          string        // stream name, e.g. "OUTBOX"
@@ -81,13 +66,6 @@ type Config struct {
 // too large for the server or the stream, the stream is gone). Hint says
 // what to do. It is jetbox's one shape of such an error (see internal/fault).
 type PermanentError = fault.Permanent
-
-// Stats are cumulative publishing counters.
-type Stats struct {
-	Published  uint64 // stored by JetStream (new messages)
-	Duplicates uint64 // acked as Duplicate: already stored, counted as success
-	Errors     uint64 // failed or unknown outcome; the event is republished
-}
 
 // Publisher publishes to one stream over one NATS connection.
 type Publisher struct {
@@ -164,11 +142,6 @@ func (p *Publisher) NoteAsyncError(err error) {
 // JetStream returns the publisher's JetStream handle.
 func (p *Publisher) JetStream() jetstream.JetStream { return p.js }
 
-// Stats returns the counters so far.
-func (p *Publisher) Stats() Stats {
-	return Stats{Published: p.stats.published.Load(), Duplicates: p.stats.duplicates.Load(), Errors: p.stats.errors.Load()}
-}
-
 // Session is one pipelined publishing run, matching one replication session.
 // Publish is called from one goroutine; done callbacks run on the session's
 // ack goroutine, in publish order.
@@ -184,16 +157,11 @@ type Session struct {
 	ctx    context.Context
 	cancel context.CancelFunc
 
-	stream jetstream.Stream
+	cur    cursor // where the session resumed (session.go)
 	source string // this writer's WAL history
 	// idGuard: also expect the previous message's id (exactly-once, R1).
 	idGuard bool
 	lastID  string
-	// watermark: position of the stream's last message when the session
-	// opened, if jetbox wrote it from this source. A Duplicate PubAck at or
-	// before it is a replay; one after it is checked against the original.
-	watermark    Position
-	hasWatermark bool
 	// The previous message (the stream's last one when the session opened,
 	// then the last published): the same id at another position is a
 	// repeated id, refused before publishing (JetStream's order guard
@@ -209,23 +177,7 @@ type Session struct {
 	serialWait chan serialResult // the outcome of the publish in flight
 	serialErr  error             // a serial publish failed: send nothing more
 
-	// exactly-once mode
-	nextSeq uint64   // the stream's last sequence before the next publish
-	last    Position // position of the stream's last message
-	skipped uint64
-	repair  bool // opened by OpenRepair
-}
-
-// Position orders events along the stream: commit order, then the row's
-// index in its transaction. It strictly increases from message to message.
-type Position struct {
-	CommitLSN uint64
-	TxIndex   int
-}
-
-// Less reports whether p comes before q.
-func (p Position) Less(q Position) bool {
-	return p.CommitLSN < q.CommitLSN || (p.CommitLSN == q.CommitLSN && p.TxIndex < q.TxIndex)
+	nextSeq uint64 // the stream's last sequence before the next publish
 }
 
 // serialResult is the outcome of a serial publish, for the next Publish.
@@ -259,215 +211,24 @@ func (p *Publisher) Open(ctx context.Context, source string) (*Session, error) {
 
 // open starts a session; repair: a jetbox repair session (see OpenRepair).
 func (p *Publisher) open(ctx context.Context, source string, repair bool) (*Session, error) {
-	s := &Session{p: p, pending: make(chan pendingAck, p.cfg.MaxPending+1), quit: make(chan struct{}), source: source, repair: repair}
-	if err := s.resume(ctx); err != nil {
+	c, err := p.resume(ctx, source, repair)
+	if err != nil {
 		return nil, err
+	}
+	replicas := c.stream.CachedInfo().Config.Replicas
+	s := &Session{p: p, pending: make(chan pendingAck, p.cfg.MaxPending+1), quit: make(chan struct{}), source: source,
+		cur: c, nextSeq: c.seq, prevID: c.id, prevPos: c.pos, idGuard: p.cfg.ExactlyOnce && replicas <= 1}
+	if c.chain {
+		s.lastID = c.id
 	}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	lctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	s.loadWatermark(lctx, s.stream.CachedInfo().Config.Replicas)
+	s.loadWatermark(lctx, replicas)
 	cancel()
-	s.serial = !p.cfg.ExactlyOnce && p.cfg.OrderGuard && !s.hasWatermark && s.nextSeq > 0
+	s.serial = !p.cfg.ExactlyOnce && p.cfg.OrderGuard && !c.watermark && s.nextSeq > 0
 	s.wg.Add(1)
 	go s.watch()
 	return s, nil
-}
-
-// ErrForeignMessage means the stream holds a message jetbox did not write,
-// which exactly-once mode cannot order against.
-var ErrForeignMessage = errors.New("the stream holds a message jetbox did not write")
-
-// resume checks the stream still exists and captures jetbox's subjects (so
-// a stream deleted or changed while jetbox runs stops it with a clear error
-// rather than retrying forever), then reads the stream's last message: the
-// watermark for duplicate checks and, in exactly-once mode, where to resume.
-func (s *Session) resume(ctx context.Context) error {
-	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	name := s.p.cfg.Stream
-	st, err := s.p.js.Stream(ctx, name)
-	if errors.Is(err, jetstream.ErrStreamNotFound) {
-		return &PermanentError{Err: fmt.Errorf("stream %q does not exist (deleted while jetbox ran?)", name),
-			Hint: "nothing past the last stored event was confirmed to Postgres: restart jetbox, which creates the stream again and resumes from the slot (or create it yourself first)"}
-	}
-	if err != nil {
-		return fmt.Errorf("look up stream %q: %w", name, err)
-	}
-	s.stream = st
-	info := st.CachedInfo()
-	s.idGuard = s.p.cfg.ExactlyOnce && info.Config.Replicas <= 1
-	for _, want := range []string{s.p.cfg.SubjectPrefix + ".>", s.p.cfg.DeadLetterSubject + ".>"} {
-		if want != ".>" && !Captures(info.Config.Subjects, want) {
-			return &PermanentError{Err: fmt.Errorf("stream %q has subjects %q, which no longer capture %q (changed while jetbox ran?)", name, info.Config.Subjects, want),
-				Hint: fmt.Sprintf("add %q back to the stream's subjects (nats stream edit %s), then restart jetbox; nothing past the last stored event was confirmed", want, name)}
-		}
-	}
-	s.nextSeq = info.State.LastSeq
-	if s.nextSeq == 0 {
-		return nil
-	}
-	m, err := st.GetMsg(ctx, s.nextSeq)
-	if err != nil {
-		if !s.p.cfg.ExactlyOnce {
-			return nil // no watermark: every Duplicate PubAck is checked
-		}
-		if errors.Is(err, jetstream.ErrMsgNotFound) {
-			return &PermanentError{Err: fmt.Errorf("exactly-once: the stream's last message (seq %d) is gone", s.nextSeq),
-				Hint: "exactly-once mode resumes from the stream's last message: use a retention that keeps it (limits, no max-age shorter than an outage), or --delivery=dedup"}
-		}
-		return fmt.Errorf("exactly-once: read the stream's last message (seq %d): %w", s.nextSeq, err)
-	}
-	pos, ok := positionOf(m.Header)
-	// The same system, database and slot: replication checked that the
-	// server's timeline continues the stream's (see sameWriter), unless an
-	// operator accepted a lost history.
-	sameSource := sameWriter(m.Header.Get(HeaderSource), s.source) && s.nextSeq > s.p.forgetThrough.Load()
-	s.prevID, s.prevPos = m.Header.Get(jetstream.MsgIDHeader), pos
-	if !s.p.cfg.ExactlyOnce {
-		// Without the order guard, rows after a refused one may be stored
-		// before it is retried: no watermark, check every Duplicate.
-		s.watermark, s.hasWatermark = pos, ok && sameSource && s.p.cfg.OrderGuard
-		return nil
-	}
-	if !ok {
-		return &PermanentError{Err: fmt.Errorf("exactly-once: %w (seq %d, subject %s)", ErrForeignMessage, s.nextSeq, m.Subject),
-			Hint: "exactly-once mode needs jetbox to be the stream's only writer: stop the other publisher (or use --delivery=dedup), then restart jetbox"}
-	}
-	if s.repair {
-		// jetbox repair starts the new slot's history: nothing of it is in
-		// the stream yet, so nothing is skipped by position (after a rewind
-		// or a lost tail the stream's positions may even sort after it).
-		s.lastID = m.Header.Get(jetstream.MsgIDHeader)
-		s.p.log.Info().Uint64("seq", s.nextSeq).Str("last_source", m.Header.Get(HeaderSource)).Msg("exactly-once repair: publishing the rows the stream misses, skipping nothing by position")
-		return nil
-	}
-	if s.nextSeq <= s.p.forgetThrough.Load() {
-		// An accepted lost history: its positions are not comparable.
-		s.p.log.Warn().Uint64("seq", s.nextSeq).Msg("exactly-once: the stream's last message belongs to an abandoned WAL history: skipping nothing by position")
-		return nil
-	}
-	if !sameSource {
-		return &PermanentError{Err: fmt.Errorf("exactly-once: the stream's last message (seq %d) comes from %q, this jetbox reads %q", s.nextSeq, m.Header.Get(HeaderSource), s.source),
-			Hint: "positions from another database, slot or cluster are not comparable: give each jetbox its own stream, or use --delivery=dedup"}
-	}
-	if err := s.checkSinceLastAck(ctx, st, s.nextSeq); err != nil {
-		return err
-	}
-	// Every message up to the last is now known to be jetbox's, in order:
-	// the next check starts after it. Otherwise stores whose acks a cut
-	// lost, session after session, would add up to more than one session
-	// has in flight and read as a foreign writer.
-	s.p.raiseAcked(s.nextSeq)
-	s.last, s.watermark, s.hasWatermark = pos, pos, true
-	s.lastID = m.Header.Get(jetstream.MsgIDHeader)
-	s.p.log.Info().Uint64("seq", s.nextSeq).Str("lsn", pglogrepl.LSN(pos.CommitLSN).String()).Int("tx_index", pos.TxIndex).
-		Msg("exactly-once: resuming after the stream's last message")
-	return nil
-}
-
-// checkSinceLastAck makes sure every message stored after the last one this
-// process saw acked in order (no failure before it in its session) is
-// jetbox's, from this source: a foreign message that slipped in after a
-// refused publish would otherwise let a later one of ours match its
-// expected sequence, and resuming after that one would skip the refused
-// event. At most a window of our messages can be there.
-func (s *Session) checkSinceLastAck(ctx context.Context, st jetstream.Stream, lastSeq uint64) error {
-	acked := s.p.ackedSeq.Load()
-	if acked == 0 || lastSeq <= acked {
-		return nil
-	}
-	if lastSeq-acked > uint64(s.p.cfg.MaxPending)+16 {
-		return &PermanentError{Err: fmt.Errorf("exactly-once: %w: %d messages were stored after jetbox's last acked one (seq %d), more than it had in flight", ErrForeignMessage, lastSeq-acked, acked),
-			Hint: "exactly-once mode needs jetbox to be the stream's only writer: stop the other publisher (or use --delivery=dedup), then restart jetbox"}
-	}
-	check := func(seq uint64, subject string, h nats.Header) error {
-		if _, ok := positionOf(h); !ok || !sameWriter(h.Get(HeaderSource), s.source) {
-			return &PermanentError{Err: fmt.Errorf("exactly-once: %w (seq %d, subject %s, after jetbox's seq %d)", ErrForeignMessage, seq, subject, acked),
-				Hint: "exactly-once mode needs jetbox to be the stream's only writer: stop the other publisher (or use --delivery=dedup), then restart jetbox"}
-		}
-		return nil
-	}
-	if lastSeq-acked < 2 {
-		return nil
-	}
-	// One headers-only ordered consumer reads them in a few round trips (a
-	// read per message costs one each: ~1,000 at 10 ms is over the limit).
-	cons, err := st.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{
-		DeliverPolicy: jetstream.DeliverByStartSequencePolicy, OptStartSeq: acked + 1, HeadersOnly: true,
-		InactiveThreshold: 10 * time.Second})
-	if err != nil {
-		// E.g. a WorkQueue stream refusing a second consumer: one by one.
-		s.p.log.Warn().Err(err).Msg("exactly-once: cannot read the stream with a consumer; reading messages one by one")
-		for seq := acked + 1; seq < lastSeq; seq++ {
-			m, err := st.GetMsg(ctx, seq)
-			if errors.Is(err, jetstream.ErrMsgNotFound) {
-				continue
-			}
-			if err != nil {
-				return fmt.Errorf("exactly-once: read message seq %d: %w", seq, err)
-			}
-			if err := check(seq, m.Subject, m.Header); err != nil {
-				return err
-			}
-		}
-		return nil
-	}
-	defer func() { // its interest would hold messages of an Interest stream
-		if info := cons.CachedInfo(); info != nil {
-			dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
-			defer cancel()
-			_ = st.DeleteConsumer(dctx, info.Name)
-		}
-	}()
-	for seq := acked; seq < lastSeq-1; {
-		batch, err := cons.FetchNoWait(int(lastSeq - seq))
-		if err != nil {
-			return fmt.Errorf("exactly-once: read the messages after seq %d: %w", seq, err)
-		}
-		n := 0
-		for m := range batch.Messages() {
-			n++
-			md, err := m.Metadata()
-			if err != nil {
-				return fmt.Errorf("exactly-once: read the messages after seq %d: %w", seq, err)
-			}
-			if seq = md.Sequence.Stream; seq >= lastSeq {
-				break
-			}
-			if err := check(seq, m.Subject(), m.Headers()); err != nil {
-				return err
-			}
-		}
-		if err := batch.Error(); err != nil {
-			return fmt.Errorf("exactly-once: read the messages after seq %d: %w", seq, err)
-		}
-		if n == 0 {
-			break // the rest was removed meanwhile
-		}
-	}
-	return nil
-}
-
-// raiseAcked moves ackedSeq up to seq (never down).
-func (p *Publisher) raiseAcked(seq uint64) {
-	for {
-		cur := p.ackedSeq.Load()
-		if seq <= cur || p.ackedSeq.CompareAndSwap(cur, seq) {
-			return
-		}
-	}
-}
-
-func positionOf(h nats.Header) (Position, bool) {
-	lsn, err := pglogrepl.ParseLSN(h.Get(HeaderCommitLSN))
-	if err != nil || h.Get(HeaderCommitLSN) == "" {
-		return Position{}, false
-	}
-	idx, err := strconv.Atoi(h.Get(HeaderTxIndex))
-	if err != nil {
-		return Position{}, false
-	}
-	return Position{CommitLSN: uint64(lsn), TxIndex: idx}, true
 }
 
 // Publish sends ev asynchronously. done is called exactly once, with nil when
@@ -475,25 +236,18 @@ func positionOf(h nats.Header) (Position, bool) {
 // abandoned by a Close whose ctx expired. An error returned here means the
 // message was not sent and done will not be called.
 func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
-	if s.p.cfg.ExactlyOnce && s.nextSeq > 0 && !s.last.Less(Position{CommitLSN: uint64(ev.CommitLSN), TxIndex: ev.TxIndex}) {
-		// A replay of an event the stream already holds (at or before its last message).
-		s.skipped++
-		s.p.stats.duplicates.Add(1)
-		s.p.cfg.Metrics.Duplicates.Inc()
-		done(nil)
+	pos := eventPos(ev)
+	if s.p.skipReplay(s.cur, pos, done) {
 		return nil
 	}
-	pos := Position{CommitLSN: uint64(ev.CommitLSN), TxIndex: ev.TxIndex}
 	if ev.ID == s.prevID && pos != s.prevPos {
-		return &decoder.InvalidEventError{ID: ev.ID, LSN: ev.CommitLSN, TxIndex: ev.TxIndex, Code: decoder.ReasonDuplicateID, Column: "id",
-			Reason: fmt.Sprintf("the id repeats the previous row's (transaction %s, row %d) inside the duplicate window: JetStream would drop this row silently", pglogrepl.LSN(s.prevPos.CommitLSN), s.prevPos.TxIndex),
-			Hint:   duplicateHint}
+		return duplicateID(ev.ID, pos, fmt.Sprintf("the id repeats the previous row's (transaction %s, row %d) inside the duplicate window: JetStream would drop this row silently", pglogrepl.LSN(s.prevPos.CommitLSN), s.prevPos.TxIndex))
 	}
 	h := s.p.header(ev, &s.tx, 2)
 	var opts []jetstream.PublishOpt
 	// A replay of what the stream held when the session opened goes without
 	// an expected sequence: it is a Duplicate and stores nothing.
-	guarded := (s.p.cfg.ExactlyOnce || s.p.cfg.OrderGuard) && !(s.hasWatermark && !s.watermark.Less(pos))
+	guarded := s.p.guarded() && !s.cur.covers(pos)
 	var serial chan serialResult
 	if guarded && s.serial {
 		if err := s.waitSerial(); err != nil {
@@ -517,10 +271,9 @@ func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
 	msg := &nats.Msg{Subject: ev.Subject, Data: ev.Payload, Header: h}
 	fut, err := s.p.js.PublishMsgAsync(msg, opts...)
 	if err != nil {
-		s.p.stats.errors.Add(1)
-		s.p.cfg.Metrics.PublishErrors.Inc()
+		s.p.record(outFailed, 1)
 		if errors.Is(err, nats.ErrMaxPayload) {
-			return tooLarge(ev.ID, ev.CommitLSN, ev.TxIndex, fmt.Sprintf("message of %d bytes (payload %d) is over the server's max_payload of %d bytes", len(msg.Data)+headerSize(msg.Header), len(ev.Payload), s.p.nc.MaxPayload()))
+			return tooLarge(ev.ID, pos, fmt.Sprintf("message of %d bytes (payload %d) is over the server's max_payload of %d bytes", len(msg.Data)+headerSize(msg.Header), len(ev.Payload), s.p.nc.MaxPayload()))
 		}
 		return fmt.Errorf("publish to %s: %w", ev.Subject, err)
 	}
@@ -602,16 +355,9 @@ func headerSize(h nats.Header) int {
 	return n
 }
 
-// tooLarge is the invalid-row error of a message the server or stream refuses for its size.
-func tooLarge(id string, lsn pglogrepl.LSN, txIndex int, what string) *decoder.InvalidEventError {
-	return &decoder.InvalidEventError{ID: id, LSN: lsn, TxIndex: txIndex, Code: decoder.ReasonTooLarge, Column: "payload", Reason: what,
-		Hint: "raise max_payload on the NATS server (and the stream's max_msg_size), or keep outbox payloads smaller (e.g. a CHECK on octet_length(payload)); or run with --on-invalid=dead-letter"}
-}
-
 func (s *Session) watch() {
 	defer s.wg.Done()
 	defer s.cancel()
-	m := s.p.cfg.Metrics
 	// broken: a guarded publish of this session failed or was not found
 	// where the pipeline expected it, so the expected sequences after it
 	// are off by one and a later publish can only be stored after a
@@ -651,8 +397,7 @@ func (s *Session) watch() {
 	fail := func(pa pendingAck, err error) {
 		flush()
 		frozen = true
-		s.p.stats.errors.Add(1)
-		m.PublishErrors.Inc()
+		s.p.record(outFailed, 1)
 		pa.done(err)
 		pa.report(serialResult{err: err})
 	}
@@ -712,8 +457,7 @@ func (s *Session) watch() {
 				fail(pa, err)
 				continue
 			}
-			s.p.stats.duplicates.Add(1)
-			m.Duplicates.Inc()
+			s.p.record(outDuplicate, 1)
 		} else {
 			if !broken {
 				s.p.raiseAcked(ack.Sequence)
@@ -721,9 +465,8 @@ func (s *Session) watch() {
 			if s.p.guarded() {
 				s.p.claim(ack.Sequence, pa.pos)
 			}
-			s.p.stats.published.Add(1)
-			m.Published.Inc()
-			m.Latency.Observe(time.Since(pa.committed).Seconds())
+			s.p.record(outStored, 1)
+			s.p.cfg.Metrics.Latency.Observe(time.Since(pa.committed).Seconds())
 		}
 		ready = append(ready, readyAck{pa: pa, seq: ack.Sequence, dup: ack.Duplicate})
 		if pa.serial != nil || len(ready) >= 1024 {
@@ -748,7 +491,7 @@ func (pa pendingAck) report(r serialResult) {
 func (p *Publisher) classify(pa pendingAck, err error) error {
 	var apiErr *jetstream.APIError
 	if errors.As(err, &apiErr) && apiErr.ErrorCode == jetstream.JSErrCodeStreamMessageExceedsMaximum {
-		return tooLarge(pa.id, pglogrepl.LSN(pa.pos.CommitLSN), pa.pos.TxIndex,
+		return tooLarge(pa.id, pa.pos,
 			fmt.Sprintf("stream %s refused the message (payload %d bytes): %v", p.cfg.Stream, pa.size, err))
 	}
 	return err
@@ -760,24 +503,22 @@ func (p *Publisher) classify(pa pendingAck, err error) error {
 // session's watermark is compared with the original message at seq. same
 // reports that the original was read and is this row.
 func (s *Session) checkDuplicate(pa pendingAck, seq uint64) (same bool, err error) {
-	if s.hasWatermark && !s.watermark.Less(pa.pos) {
+	if s.cur.covers(pa.pos) {
 		return false, nil
 	}
 	ctx, cancel := context.WithTimeout(s.ctx, s.p.cfg.PublishTimeout)
 	defer cancel()
-	orig, err := s.stream.GetMsg(ctx, seq)
+	orig, err := s.cur.stream.GetMsg(ctx, seq)
 	if errors.Is(err, jetstream.ErrMsgNotFound) {
 		if s.provenReplay(pa.pos, seq) {
 			return false, nil
 		}
-		return false, &decoder.InvalidEventError{ID: pa.id, LSN: pglogrepl.LSN(pa.pos.CommitLSN), TxIndex: pa.pos.TxIndex, Code: decoder.ReasonDuplicateID, Column: "id",
-			Reason: fmt.Sprintf("the id is already used by stream message seq %d inside the duplicate window, which is no longer in the stream (removed by retention or a purge) and is not this row by jetbox's watermark: JetStream would drop this row silently", seq),
-			Hint:   duplicateHint}
+		return false, duplicateID(pa.id, pa.pos, fmt.Sprintf("the id is already used by stream message seq %d inside the duplicate window, which is no longer in the stream (removed by retention or a purge) and is not this row by jetbox's watermark: JetStream would drop this row silently", seq))
 	}
 	if err != nil {
 		return false, fmt.Errorf("read message seq %d to check a Duplicate PubAck for id %s: %w", seq, pa.id, err)
 	}
-	op, ok := positionOf(orig.Header)
+	op, ok := ParsePosition(orig.Header)
 	if ok && op == pa.pos {
 		return true, nil // the same row, stored before
 	}
@@ -785,12 +526,8 @@ func (s *Session) checkDuplicate(pa pendingAck, seq uint64) (same bool, err erro
 	if ok {
 		what = fmt.Sprintf("stream message seq %d (transaction %s, row %d)", seq, pglogrepl.LSN(op.CommitLSN), op.TxIndex)
 	}
-	return false, &decoder.InvalidEventError{ID: pa.id, LSN: pglogrepl.LSN(pa.pos.CommitLSN), TxIndex: pa.pos.TxIndex, Code: decoder.ReasonDuplicateID, Column: "id",
-		Reason: "the id is already used by " + what + " inside the duplicate window: JetStream would drop this row silently",
-		Hint:   duplicateHint}
+	return false, duplicateID(pa.id, pa.pos, "the id is already used by "+what+" inside the duplicate window: JetStream would drop this row silently")
 }
-
-const duplicateHint = "give every outbox row a unique id (the default gen_random_uuid()); run with --on-invalid=dead-letter to send this row to the dead-letter subject"
 
 // EndTransaction does nothing: this session sends every event at once.
 func (s *Session) EndTransaction() {}

@@ -10,9 +10,6 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 )
 
-// HeaderRepaired marks a message jetbox repair published from the table.
-const HeaderRepaired = "Jetbox-Repaired"
-
 // OpenRepair starts a session for jetbox repair. It is Open, except that in
 // exactly-once mode the stream's last message may come from another jetbox
 // source (the slot was lost in a failover or a restore): the repair starts
@@ -55,7 +52,7 @@ func (p *Publisher) LastMessage(ctx context.Context) (last LastMessage, ok bool,
 	if t, err := time.Parse(time.RFC3339Nano, m.Header.Get(HeaderCommitTime)); err == nil {
 		last.CommitTime = t
 	}
-	last.Position, last.HasPosition = positionOf(m.Header)
+	last.Position, last.HasPosition = ParsePosition(m.Header)
 	return last, true, nil
 }
 

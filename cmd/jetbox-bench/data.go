@@ -3,11 +3,10 @@ package main
 import (
 	"context"
 	"fmt"
-	"strconv"
 	"time"
 
-	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
+	"github.com/jetbox-dev/jetbox/sink"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -148,7 +147,7 @@ type streamCheck struct {
 	want    map[string]bool // committed id → seen in the stream
 	ordered bool            // check jetbox's positions too
 	seen    int
-	last    position
+	last    sink.Position
 }
 
 // add checks the headers of the message at stream sequence seq.
@@ -166,11 +165,12 @@ func (c *streamCheck) add(h nats.Header, seq uint64) error {
 	if !c.ordered {
 		return nil
 	}
-	pos, err := positionOf(h)
-	if err != nil {
-		return fmt.Errorf("stream %s seq %d: %w", c.stream, seq, err)
+	pos, ok := sink.ParsePosition(h)
+	if !ok {
+		return fmt.Errorf("stream %s seq %d: no position (%s %q, %s %q)", c.stream, seq,
+			sink.HeaderCommitLSN, h.Get(sink.HeaderCommitLSN), sink.HeaderTxIndex, h.Get(sink.HeaderTxIndex))
 	}
-	if !c.last.less(pos) {
+	if !c.last.Less(pos) {
 		return fmt.Errorf("stream %s seq %d: position %v is not after the previous %v (commit order broken)", c.stream, seq, pos, c.last)
 	}
 	c.last = pos
@@ -224,29 +224,4 @@ func (b *bench) readStream(ctx context.Context, stream string, fn func(h nats.He
 		}
 	}
 	return nil
-}
-
-// position is where a jetbox message comes from in the WAL.
-type position struct {
-	lsn   pglogrepl.LSN
-	index int
-}
-
-func (p position) less(q position) bool {
-	return p.lsn < q.lsn || (p.lsn == q.lsn && p.index < q.index)
-}
-
-func (p position) String() string { return fmt.Sprintf("%s#%d", p.lsn, p.index) }
-
-// positionOf reads a jetbox message's Jetbox-Commit-LSN and Jetbox-Tx-Index.
-func positionOf(h nats.Header) (position, error) {
-	lsn, err := pglogrepl.ParseLSN(h.Get("Jetbox-Commit-LSN"))
-	if err != nil {
-		return position{}, fmt.Errorf("Jetbox-Commit-LSN: %w", err)
-	}
-	idx, err := strconv.Atoi(h.Get("Jetbox-Tx-Index"))
-	if err != nil {
-		return position{}, fmt.Errorf("Jetbox-Tx-Index: %w", err)
-	}
-	return position{lsn: lsn, index: idx}, nil
 }

@@ -1,0 +1,298 @@
+package sink
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jetbox-dev/jetbox/decoder"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// What both publishing sessions share: where a session resumes (resume and
+// its cursor), the counters (record), and the invalid-row errors they build.
+// Session (jetstream.go) and AtomicSession (atomic.go) sit on top.
+
+// Stats are cumulative publishing counters.
+type Stats struct {
+	Published  uint64 // stored by JetStream (new messages)
+	Duplicates uint64 // acked as Duplicate: already stored, counted as success
+	Errors     uint64 // failed or unknown outcome; the event is republished
+}
+
+// Stats returns the counters so far.
+func (p *Publisher) Stats() Stats {
+	return Stats{Published: p.stats.published.Load(), Duplicates: p.stats.duplicates.Load(), Errors: p.stats.errors.Load()}
+}
+
+// outcome is what became of published events, for record.
+type outcome int
+
+const (
+	outStored    outcome = iota // stored by JetStream as new messages
+	outDuplicate                // already in the stream: acked as Duplicate, or skipped by position
+	outFailed                   // failed or unknown outcome: the events are republished
+)
+
+// record counts n events with outcome o, in Stats and in the metrics.
+func (p *Publisher) record(o outcome, n int) {
+	m := p.cfg.Metrics
+	switch o {
+	case outStored:
+		p.stats.published.Add(uint64(n))
+		m.Published.Add(float64(n))
+	case outDuplicate:
+		p.stats.duplicates.Add(uint64(n))
+		m.Duplicates.Add(float64(n))
+	case outFailed:
+		p.stats.errors.Add(uint64(n))
+		m.PublishErrors.Add(float64(n))
+	}
+}
+
+const duplicateHint = "give every outbox row a unique id (the default gen_random_uuid()); run with --on-invalid=dead-letter to send this row to the dead-letter subject"
+
+// duplicateID is the invalid-row error of the row id at pos, whose id another
+// message uses; reason says which and what JetStream would do.
+func duplicateID(id string, pos Position, reason string) *decoder.InvalidEventError {
+	return &decoder.InvalidEventError{ID: id, LSN: pglogrepl.LSN(pos.CommitLSN), TxIndex: pos.TxIndex,
+		Code: decoder.ReasonDuplicateID, Column: "id", Reason: reason, Hint: duplicateHint}
+}
+
+// tooLarge is the invalid-row error of a message the server or stream refuses for its size.
+func tooLarge(id string, pos Position, what string) *decoder.InvalidEventError {
+	return &decoder.InvalidEventError{ID: id, LSN: pglogrepl.LSN(pos.CommitLSN), TxIndex: pos.TxIndex, Code: decoder.ReasonTooLarge, Column: "payload", Reason: what,
+		Hint: "raise max_payload on the NATS server (and the stream's max_msg_size), or keep outbox payloads smaller (e.g. a CHECK on octet_length(payload)); or run with --on-invalid=dead-letter"}
+}
+
+// ErrForeignMessage means the stream holds a message jetbox did not write,
+// which exactly-once mode cannot order against.
+var ErrForeignMessage = errors.New("the stream holds a message jetbox did not write")
+
+// cursor is where a session resumes: the stream and its last message as
+// resume found them when the session opened.
+type cursor struct {
+	stream jetstream.Stream
+	seq    uint64   // the stream's last sequence; 0: the stream is empty
+	id     string   // the last message's Nats-Msg-Id ("" if it was not read)
+	pos    Position // its position (zero if it has none or was not read)
+	// skip (exactly-once): the last message is this source's, so an event
+	// at or before pos is a replay the stream holds, skipped by position.
+	skip bool
+	// watermark: the stream holds this source's events in order up to pos,
+	// so a Duplicate PubAck for an event at or before pos is a replay; one
+	// after it is checked against the original.
+	watermark bool
+	// chain (exactly-once): id is the message the first publish names in
+	// Nats-Expected-Last-Msg-Id (on an R1 stream).
+	chain bool
+}
+
+// replay reports whether the event at pos is one the stream already holds
+// (at or before its last message): exactly-once mode skips it.
+func (c cursor) replay(pos Position) bool { return c.skip && !c.pos.Less(pos) }
+
+// skipReplay skips the event at pos if it is a replay (see cursor.replay):
+// it counts as a duplicate and its done is called with nil at once.
+func (p *Publisher) skipReplay(c cursor, pos Position, done func(error)) bool {
+	if !c.replay(pos) {
+		return false
+	}
+	p.record(outDuplicate, 1)
+	done(nil)
+	return true
+}
+
+// eventPos is ev's position: where its message goes in the stream.
+func eventPos(ev *decoder.Event) Position {
+	return Position{CommitLSN: uint64(ev.CommitLSN), TxIndex: ev.TxIndex}
+}
+
+// covers reports whether a Duplicate PubAck for the event at pos is a replay
+// without looking at the original.
+func (c cursor) covers(pos Position) bool { return c.watermark && !c.pos.Less(pos) }
+
+// resume checks the stream still exists and captures jetbox's subjects (so
+// a stream deleted or changed while jetbox runs stops it with a clear error
+// rather than retrying forever), then reads the stream's last message: the
+// watermark for duplicate checks and, in exactly-once mode, where to resume.
+//
+// source identifies this writer's WAL history: exactly-once mode refuses to
+// resume after a message from another one, unless repair (a jetbox repair
+// session, see OpenRepair), which resumes after nothing.
+func (p *Publisher) resume(ctx context.Context, source string, repair bool) (cursor, error) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	name := p.cfg.Stream
+	st, err := p.js.Stream(ctx, name)
+	if errors.Is(err, jetstream.ErrStreamNotFound) {
+		return cursor{}, &PermanentError{Err: fmt.Errorf("stream %q does not exist (deleted while jetbox ran?)", name),
+			Hint: "nothing past the last stored event was confirmed to Postgres: restart jetbox, which creates the stream again and resumes from the slot (or create it yourself first)"}
+	}
+	if err != nil {
+		return cursor{}, fmt.Errorf("look up stream %q: %w", name, err)
+	}
+	info := st.CachedInfo()
+	for _, want := range []string{p.cfg.SubjectPrefix + ".>", p.cfg.DeadLetterSubject + ".>"} {
+		if want != ".>" && !Captures(info.Config.Subjects, want) {
+			return cursor{}, &PermanentError{Err: fmt.Errorf("stream %q has subjects %q, which no longer capture %q (changed while jetbox ran?)", name, info.Config.Subjects, want),
+				Hint: fmt.Sprintf("add %q back to the stream's subjects (nats stream edit %s), then restart jetbox; nothing past the last stored event was confirmed", want, name)}
+		}
+	}
+	c := cursor{stream: st, seq: info.State.LastSeq}
+	if c.seq == 0 {
+		return c, nil
+	}
+	m, err := st.GetMsg(ctx, c.seq)
+	if err != nil {
+		if !p.cfg.ExactlyOnce {
+			return c, nil // no watermark: every Duplicate PubAck is checked
+		}
+		if errors.Is(err, jetstream.ErrMsgNotFound) {
+			return cursor{}, &PermanentError{Err: fmt.Errorf("exactly-once: the stream's last message (seq %d) is gone", c.seq),
+				Hint: "exactly-once mode resumes from the stream's last message: use a retention that keeps it (limits, no max-age shorter than an outage), or --delivery=dedup"}
+		}
+		return cursor{}, fmt.Errorf("exactly-once: read the stream's last message (seq %d): %w", c.seq, err)
+	}
+	pos, ok := ParsePosition(m.Header)
+	// The same system, database and slot: replication checked that the
+	// server's timeline continues the stream's (see sameWriter), unless an
+	// operator accepted a lost history.
+	sameSource := sameWriter(m.Header.Get(HeaderSource), source) && c.seq > p.forgetThrough.Load()
+	c.id, c.pos = m.Header.Get(jetstream.MsgIDHeader), pos
+	if !p.cfg.ExactlyOnce {
+		// Without the order guard, rows after a refused one may be stored
+		// before it is retried: no watermark, check every Duplicate.
+		c.watermark = ok && sameSource && p.cfg.OrderGuard
+		return c, nil
+	}
+	if !ok {
+		return cursor{}, &PermanentError{Err: fmt.Errorf("exactly-once: %w (seq %d, subject %s)", ErrForeignMessage, c.seq, m.Subject),
+			Hint: "exactly-once mode needs jetbox to be the stream's only writer: stop the other publisher (or use --delivery=dedup), then restart jetbox"}
+	}
+	if repair {
+		// jetbox repair starts the new slot's history: nothing of it is in
+		// the stream yet, so nothing is skipped by position (after a rewind
+		// or a lost tail the stream's positions may even sort after it).
+		c.chain = true
+		p.log.Info().Uint64("seq", c.seq).Str("last_source", m.Header.Get(HeaderSource)).Msg("exactly-once repair: publishing the rows the stream misses, skipping nothing by position")
+		return c, nil
+	}
+	if c.seq <= p.forgetThrough.Load() {
+		// An accepted lost history: its positions are not comparable.
+		p.log.Warn().Uint64("seq", c.seq).Msg("exactly-once: the stream's last message belongs to an abandoned WAL history: skipping nothing by position")
+		return c, nil
+	}
+	if !sameSource {
+		return cursor{}, &PermanentError{Err: fmt.Errorf("exactly-once: the stream's last message (seq %d) comes from %q, this jetbox reads %q", c.seq, m.Header.Get(HeaderSource), source),
+			Hint: "positions from another database, slot or cluster are not comparable: give each jetbox its own stream, or use --delivery=dedup"}
+	}
+	if err := p.checkSinceLastAck(ctx, st, source, c.seq); err != nil {
+		return cursor{}, err
+	}
+	// Every message up to the last is now known to be jetbox's, in order:
+	// the next check starts after it. Otherwise stores whose acks a cut
+	// lost, session after session, would add up to more than one session
+	// has in flight and read as a foreign writer.
+	p.raiseAcked(c.seq)
+	c.skip, c.watermark, c.chain = true, true, true
+	p.log.Info().Uint64("seq", c.seq).Str("lsn", pglogrepl.LSN(pos.CommitLSN).String()).Int("tx_index", pos.TxIndex).
+		Msg("exactly-once: resuming after the stream's last message")
+	return c, nil
+}
+
+// checkSinceLastAck makes sure every message stored after the last one this
+// process saw acked in order (no failure before it in its session) is
+// jetbox's, from source: a foreign message that slipped in after a refused
+// publish would otherwise let a later one of ours match its expected
+// sequence, and resuming after that one would skip the refused event. At
+// most a window of our messages can be there.
+func (p *Publisher) checkSinceLastAck(ctx context.Context, st jetstream.Stream, source string, lastSeq uint64) error {
+	acked := p.ackedSeq.Load()
+	if acked == 0 || lastSeq <= acked {
+		return nil
+	}
+	if lastSeq-acked > uint64(p.cfg.MaxPending)+16 {
+		return &PermanentError{Err: fmt.Errorf("exactly-once: %w: %d messages were stored after jetbox's last acked one (seq %d), more than it had in flight", ErrForeignMessage, lastSeq-acked, acked),
+			Hint: "exactly-once mode needs jetbox to be the stream's only writer: stop the other publisher (or use --delivery=dedup), then restart jetbox"}
+	}
+	check := func(seq uint64, subject string, h nats.Header) error {
+		if _, ok := ParsePosition(h); !ok || !sameWriter(h.Get(HeaderSource), source) {
+			return &PermanentError{Err: fmt.Errorf("exactly-once: %w (seq %d, subject %s, after jetbox's seq %d)", ErrForeignMessage, seq, subject, acked),
+				Hint: "exactly-once mode needs jetbox to be the stream's only writer: stop the other publisher (or use --delivery=dedup), then restart jetbox"}
+		}
+		return nil
+	}
+	if lastSeq-acked < 2 {
+		return nil
+	}
+	// One headers-only ordered consumer reads them in a few round trips (a
+	// read per message costs one each: ~1,000 at 10 ms is over the limit).
+	cons, err := st.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{
+		DeliverPolicy: jetstream.DeliverByStartSequencePolicy, OptStartSeq: acked + 1, HeadersOnly: true,
+		InactiveThreshold: 10 * time.Second})
+	if err != nil {
+		// E.g. a WorkQueue stream refusing a second consumer: one by one.
+		p.log.Warn().Err(err).Msg("exactly-once: cannot read the stream with a consumer; reading messages one by one")
+		for seq := acked + 1; seq < lastSeq; seq++ {
+			m, err := st.GetMsg(ctx, seq)
+			if errors.Is(err, jetstream.ErrMsgNotFound) {
+				continue
+			}
+			if err != nil {
+				return fmt.Errorf("exactly-once: read message seq %d: %w", seq, err)
+			}
+			if err := check(seq, m.Subject, m.Header); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	defer func() { // its interest would hold messages of an Interest stream
+		if info := cons.CachedInfo(); info != nil {
+			dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+			defer cancel()
+			_ = st.DeleteConsumer(dctx, info.Name)
+		}
+	}()
+	for seq := acked; seq < lastSeq-1; {
+		batch, err := cons.FetchNoWait(int(lastSeq - seq))
+		if err != nil {
+			return fmt.Errorf("exactly-once: read the messages after seq %d: %w", seq, err)
+		}
+		n := 0
+		for m := range batch.Messages() {
+			n++
+			md, err := m.Metadata()
+			if err != nil {
+				return fmt.Errorf("exactly-once: read the messages after seq %d: %w", seq, err)
+			}
+			if seq = md.Sequence.Stream; seq >= lastSeq {
+				break
+			}
+			if err := check(seq, m.Subject(), m.Headers()); err != nil {
+				return err
+			}
+		}
+		if err := batch.Error(); err != nil {
+			return fmt.Errorf("exactly-once: read the messages after seq %d: %w", seq, err)
+		}
+		if n == 0 {
+			break // the rest was removed meanwhile
+		}
+	}
+	return nil
+}
+
+// raiseAcked moves ackedSeq up to seq (never down).
+func (p *Publisher) raiseAcked(seq uint64) {
+	for {
+		cur := p.ackedSeq.Load()
+		if seq <= cur || p.ackedSeq.CompareAndSwap(cur, seq) {
+			return
+		}
+	}
+}
