@@ -16,6 +16,7 @@ import (
 	"github.com/jetbox-dev/jetbox/internal/metrics"
 	"github.com/jetbox-dev/jetbox/replication"
 	"github.com/jetbox-dev/jetbox/sink"
+	"github.com/nats-io/nats.go"
 	"github.com/rs/zerolog"
 )
 
@@ -29,6 +30,7 @@ const DefaultDelivery = "exactly-once"
 // each default has one source (TestFlagDefaults checks they agree).
 var flagVars = map[string]string{
 	"default_delivery":              DefaultDelivery,
+	"default_nats_url":              nats.DefaultURL,
 	"default_id_column":             decoder.DefaultColumns.ID,
 	"default_aggregate_type_column": decoder.DefaultColumns.AggregateType,
 	"default_aggregate_id_column":   decoder.DefaultColumns.AggregateID,
@@ -62,7 +64,8 @@ func durationText(d time.Duration) string {
 // reports every mistake at once.
 type RunFlags struct {
 	PostgresURL   string `name:"postgres-url" env:"JETBOX_POSTGRES_URL" help:"Postgres libpq URL or DSN (PG* variables and sslmode work). Required." placeholder:"URL"`
-	NatsURL       string `name:"nats-url" env:"JETBOX_NATS_URL" default:"nats://127.0.0.1:4222" help:"NATS server URL(s), comma-separated."`
+	NatsURL       string `name:"nats-url" env:"JETBOX_NATS_URL" default:"${default_nats_url}" help:"NATS server URL(s), comma-separated."`
+	NatsContext   string `name:"nats-context" env:"JETBOX_NATS_CONTEXT" help:"A nats CLI context (its name, or the path of its file) for the NATS URL, credentials and TLS; the --nats-* flags given override it." placeholder:"NAME"`
 	NatsStoreDir  string `name:"nats-store-dir" env:"JETBOX_NATS_STORE_DIR" help:"With --nats-url=embedded: the JetStream store directory (required)." placeholder:"DIR"`
 	NatsListen    string `name:"nats-listen" env:"JETBOX_NATS_LISTEN" default:"127.0.0.1:4222" help:"With --nats-url=embedded: where the embedded server listens for consumers."`
 	NatsCreds     string `name:"nats-creds" env:"JETBOX_NATS_CREDS" help:"NATS credentials file (JWT + NKey)." placeholder:"FILE"`
@@ -130,6 +133,7 @@ type Config struct {
 type NATSAuth struct {
 	Creds, NKey, User, Password, Token string
 	TLSCA, TLSCert, TLSKey             string
+	TLSFirst                           bool // TLS before the server's INFO (a context's tls_first)
 }
 
 // ConfigError is one invalid setting, with how to fix it.
@@ -170,9 +174,10 @@ func (f *RunFlags) Config() (Config, error) {
 		}
 		return d
 	}
-	c := Config{PostgresURL: f.PostgresURL, NatsURL: f.NatsURL, HTTPAddr: f.HTTPAddr, NATS: NATSAuth{
-		Creds: f.NatsCreds, NKey: f.NatsNKey, User: f.NatsUser, Password: f.NatsPassword, Token: f.NatsToken,
-		TLSCA: f.NatsTLSCA, TLSCert: f.NatsTLSCert, TLSKey: f.NatsTLSKey}}
+	n := f.natsFlags(bad)
+	c := Config{PostgresURL: f.PostgresURL, NatsURL: n.URL, HTTPAddr: f.HTTPAddr, NATS: NATSAuth{
+		Creds: n.Creds, NKey: n.NKey, User: n.User, Password: n.Password, Token: n.Token,
+		TLSCA: n.TLSCA, TLSCert: n.TLSCert, TLSKey: n.TLSKey, TLSFirst: n.TLSFirst}}
 	kinds := 0
 	for _, set := range []bool{f.NatsCreds != "", f.NatsNKey != "", f.NatsUser != "", f.NatsToken != ""} {
 		if set {
@@ -182,18 +187,30 @@ func (f *RunFlags) Config() (Config, error) {
 	if kinds > 1 {
 		bad("nats-creds", "", "more than one NATS credential kind given (creds, nkey, user/password, token)", "pass exactly one of them")
 	}
-	if (f.NatsUser == "") != (f.NatsPassword == "") {
-		bad("nats-user", f.NatsUser, "--nats-user and --nats-password go together", "give both, or neither")
+	if (n.User == "") != (n.Password == "") {
+		if n.fromContext["nats-user"] || n.fromContext["nats-password"] {
+			bad("nats-context", f.NatsContext, "the user and the password (from the context and --nats-user/--nats-password) go together", "give both, or neither")
+		} else {
+			bad("nats-user", f.NatsUser, "--nats-user and --nats-password go together", "give both, or neither")
+		}
 	}
-	if (f.NatsTLSCert == "") != (f.NatsTLSKey == "") {
-		bad("nats-tls-cert", f.NatsTLSCert, "--nats-tls-cert and --nats-tls-key go together", "give both, or neither")
+	if (n.TLSCert == "") != (n.TLSKey == "") {
+		if n.fromContext["nats-tls-cert"] || n.fromContext["nats-tls-key"] {
+			bad("nats-context", f.NatsContext, "the context's cert and key go together", "give both in the context, or --nats-tls-cert and --nats-tls-key")
+		} else {
+			bad("nats-tls-cert", f.NatsTLSCert, "--nats-tls-cert and --nats-tls-key go together", "give both, or neither")
+		}
 	}
-	for flag, path := range map[string]string{"nats-creds": f.NatsCreds, "nats-nkey": f.NatsNKey, "nats-tls-ca": f.NatsTLSCA, "nats-tls-cert": f.NatsTLSCert, "nats-tls-key": f.NatsTLSKey} {
+	for flag, path := range map[string]string{"nats-creds": n.Creds, "nats-nkey": n.NKey, "nats-tls-ca": n.TLSCA, "nats-tls-cert": n.TLSCert, "nats-tls-key": n.TLSKey} {
 		if path == "" {
 			continue
 		}
 		if _, err := os.Stat(path); err != nil {
-			bad(flag, path, "cannot read the file: "+err.Error(), "check the path and permissions")
+			if n.fromContext[flag] {
+				bad("nats-context", f.NatsContext, "its "+strings.TrimPrefix(flag, "nats-")+" file: cannot read it: "+err.Error(), "check the path in the context and the permissions")
+			} else {
+				bad(flag, path, "cannot read the file: "+err.Error(), "check the path and permissions")
+			}
 		}
 	}
 	if f.HTTPAddr != "" {
@@ -216,11 +233,15 @@ func (f *RunFlags) Config() (Config, error) {
 		}
 		c.NatsListen, c.NatsStoreDir = f.NatsListen, f.NatsStoreDir
 	} else {
-		for _, u := range strings.Split(f.NatsURL, ",") {
+		for _, u := range strings.Split(n.URL, ",") {
 			u = strings.TrimSpace(u)
 			pu, err := url.Parse(u)
 			if err != nil || pu.Host == "" || !map[string]bool{"nats": true, "tls": true, "ws": true, "wss": true}[pu.Scheme] {
-				bad("nats-url", u, "not a NATS URL", "use nats://host:4222 (or tls://, ws://, wss://; or embedded); separate several with commas")
+				if n.fromContext["nats-url"] {
+					bad("nats-context", f.NatsContext, "its url "+redact(u)+" is not a NATS URL", "fix the context's url, or give --nats-url")
+				} else {
+					bad("nats-url", u, "not a NATS URL", "use nats://host:4222 (or tls://, ws://, wss://; or embedded); separate several with commas")
+				}
 			}
 		}
 	}
