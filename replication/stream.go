@@ -71,22 +71,22 @@ func New(connString string, cfg Config, sink Sink, log zerolog.Logger) (*Streame
 		return nil, err
 	}
 	if cfg.StatusInterval <= 0 {
-		cfg.StatusInterval = time.Second
+		cfg.StatusInterval = DefaultStatusInterval
 	}
 	if cfg.Timeout <= 0 {
-		cfg.Timeout = 30 * time.Second
+		cfg.Timeout = DefaultTimeout
 	}
 	if cfg.ShutdownTimeout <= 0 {
-		cfg.ShutdownTimeout = 10 * time.Second
+		cfg.ShutdownTimeout = DefaultShutdownTimeout
 	}
 	if cfg.MaxBackoff <= 0 {
-		cfg.MaxBackoff = 30 * time.Second
+		cfg.MaxBackoff = DefaultMaxBackoff
 	}
 	if cfg.StandbyRetry <= 0 {
-		cfg.StandbyRetry = time.Second
+		cfg.StandbyRetry = DefaultStandbyRetry
 	}
 	if cfg.MonitorInterval == 0 {
-		cfg.MonitorInterval = 5 * time.Second
+		cfg.MonitorInterval = DefaultMonitorInterval
 	}
 	if cfg.Metrics == nil {
 		cfg.Metrics = metrics.New()

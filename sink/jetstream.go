@@ -90,10 +90,10 @@ type Publisher struct {
 // New returns a publisher using nc, which the caller owns and closes.
 func New(nc *nats.Conn, cfg Config, log zerolog.Logger) (*Publisher, error) {
 	if cfg.PublishTimeout <= 0 {
-		cfg.PublishTimeout = 30 * time.Second
+		cfg.PublishTimeout = DefaultPublishTimeout
 	}
 	if cfg.MaxPending < 1 {
-		cfg.MaxPending = 1024
+		cfg.MaxPending = DefaultMaxPending
 	}
 	if cfg.Metrics == nil {
 		cfg.Metrics = metrics.New()

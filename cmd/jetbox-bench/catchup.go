@@ -10,6 +10,7 @@ import (
 
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
+	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
@@ -28,7 +29,7 @@ type catchupOpts struct {
 func (b *bench) jetboxCatchup(ctx context.Context, name string, d deployment, rows, txRows int, opts catchupOpts) (*throughput, string) {
 	res := &throughput{Name: name, Events: rows}
 	b.log.Info().Str("workload", name).Int("rows", rows).Int("tx_rows", txRows).Msg("catch-up: setting up")
-	if err := b.prime(ctx, d, outboxDDL); err != nil {
+	if err := b.prime(ctx, d, decoder.OutboxDDL); err != nil {
 		res.Err = fmt.Errorf("prime: %w", err)
 		return res, ""
 	}

@@ -11,18 +11,6 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 )
 
-// outboxDDL is the README's outbox table (a copy of cmd/jetbox's, which a
-// command cannot import; TestOutboxDDLMatchesREADME keeps them equal).
-const outboxDDL = `CREATE TABLE public.outbox (
-  id             uuid        PRIMARY KEY DEFAULT gen_random_uuid(),
-  aggregate_type text        NOT NULL,
-  aggregate_id   text        NOT NULL,
-  event_type     text        NOT NULL,
-  payload        jsonb       NOT NULL,
-  headers        jsonb,
-  created_at     timestamptz NOT NULL DEFAULT now()
-)`
-
 // loadTx inserts one transaction of rows, numbered from first; each payload
 // renders to size bytes as jsonb text ({"n": 123456, "pad": "xx…"}).
 const loadTx = `INSERT INTO public.outbox (aggregate_type, aggregate_id, event_type, payload)

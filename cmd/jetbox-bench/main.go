@@ -15,8 +15,9 @@
 //
 // Every run's output is checked (each committed id in the stream exactly once,
 // in commit order for jetbox); a failed check makes the exit code 1. The
-// result is a markdown report on stdout, with the targets marked met
-// or missed; progress goes to stderr.
+// result is a markdown report on stdout: the measurements, and the runs set
+// side by side as ratios (the goals they are read against are prose in
+// docs/performance.md); progress goes to stderr.
 //
 //	go run ./cmd/jetbox-bench                  # the full run (a few minutes)
 //	go run ./cmd/jetbox-bench --rows 20000 --big-tx 0 --steady 3s --rates 4000 --step 2s

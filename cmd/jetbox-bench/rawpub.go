@@ -9,6 +9,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/jetbox-dev/jetbox/sink"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/synadia-io/orbit.go/jetstreamext"
@@ -32,13 +33,13 @@ func rawMsg(stream, prefix string, i int, payload []byte, set headerSet) *nats.M
 		return m
 	}
 	h := m.Header
-	h["Jetbox-Aggregate-Type"] = []string{"order"}
-	h["Jetbox-Aggregate-Id"] = []string{strconv.Itoa(i)}
-	h["Jetbox-Event-Type"] = []string{"OrderPlaced"}
-	h["Jetbox-Commit-LSN"] = []string{"0/" + strconv.FormatUint(uint64(0x1000000+i/100*0x8000), 16)}
-	h["Jetbox-Commit-Time"] = []string{time.Now().UTC().Format("2006-01-02T15:04:05.000000000Z")}
-	h["Jetbox-Tx-Index"] = []string{strconv.Itoa(i % 100)}
-	h["Jetbox-Source"] = []string{"7441234567890123456/1/bench/jetbox"}
+	h[sink.HeaderAggregateType] = []string{"order"}
+	h[sink.HeaderAggregateID] = []string{strconv.Itoa(i)}
+	h[sink.HeaderEventType] = []string{"OrderPlaced"}
+	h[sink.HeaderCommitLSN] = []string{"0/" + strconv.FormatUint(uint64(0x1000000+i/100*0x8000), 16)}
+	h[sink.HeaderCommitTime] = []string{time.Now().UTC().Format("2006-01-02T15:04:05.000000000Z")}
+	h[sink.HeaderTxIndex] = []string{strconv.Itoa(i % 100)}
+	h[sink.HeaderSource] = []string{"7441234567890123456/1/bench/jetbox"}
 	if set == jetboxGuarded {
 		h[jetstream.ExpectedStreamHeader] = []string{stream}
 		if i > 0 {

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -15,7 +16,7 @@ import (
 // relayDDL is the polling relay's copy of the outbox: the README's table plus
 // the column the relay marks, and the partial index a relay needs so that
 // finding unpublished rows stays cheap.
-const relayDDL = outboxDDL + `;
+const relayDDL = decoder.OutboxDDL + `;
 ALTER TABLE public.outbox ADD COLUMN published_at timestamptz;
 CREATE INDEX outbox_unpublished ON public.outbox (created_at) WHERE published_at IS NULL`
 

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/nats-io/nats.go"
 )
 
@@ -205,7 +206,7 @@ func (ws sqlWriters) send(ctx context.Context, w int, payload []byte) error {
 func (b *bench) jetboxSteady(ctx context.Context, rep *Report) {
 	d := newDeployment("steady", "dedup")
 	fail := func(err error) { rep.Steady = &latencyRun{Name: "jetbox", Rate: b.cfg.SteadyRate, Err: err} }
-	if err := b.prime(ctx, d, outboxDDL); err != nil {
+	if err := b.prime(ctx, d, decoder.OutboxDDL); err != nil {
 		fail(fmt.Errorf("prime: %w", err))
 		return
 	}

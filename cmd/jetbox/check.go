@@ -95,7 +95,7 @@ func checkAll(ctx context.Context, cfg Config, log zerolog.Logger) checkResult {
 			r.unreachable = append(r.unreachable, fmt.Errorf("nats: %s; fix: check --nats-url and that NATS is up", what))
 		} else {
 			ns = append(ns, check.Finding{Severity: check.Error, Check: "nats.connect", What: what,
-				Hint: "check --nats-url and the credentials (--nats-creds, --nats-nkey, --nats-user/--nats-password, --nats-token) and TLS files"})
+				Hint: "check --nats-url (or --nats-context) and the credentials (--nats-creds, --nats-nkey, --nats-user/--nats-password, --nats-token) and TLS files"})
 		}
 	}
 	r.findings = append(pg, ns...)

@@ -16,6 +16,7 @@ import (
 	"github.com/jetbox-dev/jetbox/internal/metrics"
 	"github.com/jetbox-dev/jetbox/replication"
 	"github.com/jetbox-dev/jetbox/sink"
+	"github.com/nats-io/nats.go"
 	"github.com/rs/zerolog"
 )
 
@@ -24,15 +25,47 @@ import (
 // streams need --delivery=dedup (see sink.Publisher.Check).
 const DefaultDelivery = "exactly-once"
 
-// flagVars are the variables kong interpolates into the flag tags.
-var flagVars = map[string]string{"default_delivery": DefaultDelivery}
+// flagVars are the variables kong interpolates into the flag tags: the
+// defaults that the packages apply themselves come from their constants, so
+// each default has one source (TestFlagDefaults checks they agree).
+var flagVars = map[string]string{
+	"default_delivery":              DefaultDelivery,
+	"default_nats_url":              nats.DefaultURL,
+	"default_id_column":             decoder.DefaultColumns.ID,
+	"default_aggregate_type_column": decoder.DefaultColumns.AggregateType,
+	"default_aggregate_id_column":   decoder.DefaultColumns.AggregateID,
+	"default_event_type_column":     decoder.DefaultColumns.EventType,
+	"default_payload_column":        decoder.DefaultColumns.Payload,
+	"default_headers_column":        decoder.DefaultColumns.Headers,
+	"default_duplicate_window":      durationText(sink.DefaultDuplicateWindow),
+	"default_max_in_flight":         strconv.Itoa(sink.DefaultMaxPending),
+	"default_publish_timeout":       durationText(sink.DefaultPublishTimeout),
+	"default_status_interval":       durationText(replication.DefaultStatusInterval),
+	"default_postgres_timeout":      durationText(replication.DefaultTimeout),
+	"default_shutdown_timeout":      durationText(replication.DefaultShutdownTimeout),
+	"default_standby_retry":         durationText(replication.DefaultStandbyRetry),
+	"default_monitor_interval":      durationText(replication.DefaultMonitorInterval),
+}
+
+// durationText is d as a flag default is written: 2m rather than 2m0s.
+func durationText(d time.Duration) string {
+	s := d.String()
+	if t, ok := strings.CutSuffix(s, "m0s"); ok {
+		s = t + "m"
+	}
+	if t, ok := strings.CutSuffix(s, "h0m"); ok {
+		s = t + "h"
+	}
+	return s
+}
 
 // RunFlags are the flags of `jetbox run`. Every flag has a JETBOX_* variable.
 // Values are taken as strings and validated together by Config, so one run
 // reports every mistake at once.
 type RunFlags struct {
 	PostgresURL   string `name:"postgres-url" env:"JETBOX_POSTGRES_URL" help:"Postgres libpq URL or DSN (PG* variables and sslmode work). Required." placeholder:"URL"`
-	NatsURL       string `name:"nats-url" env:"JETBOX_NATS_URL" default:"nats://127.0.0.1:4222" help:"NATS server URL(s), comma-separated."`
+	NatsURL       string `name:"nats-url" env:"JETBOX_NATS_URL" default:"${default_nats_url}" help:"NATS server URL(s), comma-separated."`
+	NatsContext   string `name:"nats-context" env:"JETBOX_NATS_CONTEXT" help:"A nats CLI context (its name, or the path of its file) for the NATS URL, credentials and TLS; the --nats-* flags given override it." placeholder:"NAME"`
 	NatsStoreDir  string `name:"nats-store-dir" env:"JETBOX_NATS_STORE_DIR" help:"With --nats-url=embedded: the JetStream store directory (required)." placeholder:"DIR"`
 	NatsListen    string `name:"nats-listen" env:"JETBOX_NATS_LISTEN" default:"127.0.0.1:4222" help:"With --nats-url=embedded: where the embedded server listens for consumers."`
 	NatsCreds     string `name:"nats-creds" env:"JETBOX_NATS_CREDS" help:"NATS credentials file (JWT + NKey)." placeholder:"FILE"`
@@ -51,30 +84,30 @@ type RunFlags struct {
 	HTTPAddr      string `name:"http-addr" env:"JETBOX_HTTP_ADDR" default:"127.0.0.1:8080" help:"Address for /metrics, /healthz and /readyz; empty disables."`
 	PprofAddr     string `name:"pprof-addr" env:"JETBOX_PPROF_ADDR" help:"Serve Go's net/http/pprof on this address, for profiling (no authentication: never expose it); empty disables."`
 
-	IDColumn            string `name:"id-column" env:"JETBOX_ID_COLUMN" default:"id" help:"Row id column (uuid or text): Nats-Msg-Id."`
-	AggregateTypeColumn string `name:"aggregate-type-column" env:"JETBOX_AGGREGATE_TYPE_COLUMN" default:"aggregate_type" help:"Aggregate type column (text)."`
-	AggregateIDColumn   string `name:"aggregate-id-column" env:"JETBOX_AGGREGATE_ID_COLUMN" default:"aggregate_id" help:"Aggregate id column (text)."`
-	EventTypeColumn     string `name:"event-type-column" env:"JETBOX_EVENT_TYPE_COLUMN" default:"event_type" help:"Event type column (text)."`
-	PayloadColumn       string `name:"payload-column" env:"JETBOX_PAYLOAD_COLUMN" default:"payload" help:"Payload column (jsonb, json, text or bytea)."`
-	HeadersColumn       string `name:"headers-column" env:"JETBOX_HEADERS_COLUMN" default:"headers" help:"Headers column (jsonb object of strings); empty to ignore."`
+	IDColumn            string `name:"id-column" env:"JETBOX_ID_COLUMN" default:"${default_id_column}" help:"Row id column (uuid or text): Nats-Msg-Id."`
+	AggregateTypeColumn string `name:"aggregate-type-column" env:"JETBOX_AGGREGATE_TYPE_COLUMN" default:"${default_aggregate_type_column}" help:"Aggregate type column (text)."`
+	AggregateIDColumn   string `name:"aggregate-id-column" env:"JETBOX_AGGREGATE_ID_COLUMN" default:"${default_aggregate_id_column}" help:"Aggregate id column (text)."`
+	EventTypeColumn     string `name:"event-type-column" env:"JETBOX_EVENT_TYPE_COLUMN" default:"${default_event_type_column}" help:"Event type column (text)."`
+	PayloadColumn       string `name:"payload-column" env:"JETBOX_PAYLOAD_COLUMN" default:"${default_payload_column}" help:"Payload column (jsonb, json, text or bytea)."`
+	HeadersColumn       string `name:"headers-column" env:"JETBOX_HEADERS_COLUMN" default:"${default_headers_column}" help:"Headers column (jsonb object of strings); empty to ignore."`
 
-	DuplicateWindow  string `name:"duplicate-window" env:"JETBOX_DUPLICATE_WINDOW" default:"2m" help:"Duplicate window of a stream jetbox creates."`
-	MaxInFlight      string `name:"max-in-flight" env:"JETBOX_MAX_IN_FLIGHT" default:"1024" help:"Events published and not yet acked."`
+	DuplicateWindow  string `name:"duplicate-window" env:"JETBOX_DUPLICATE_WINDOW" default:"${default_duplicate_window}" help:"Duplicate window of a stream jetbox creates."`
+	MaxInFlight      string `name:"max-in-flight" env:"JETBOX_MAX_IN_FLIGHT" default:"${default_max_in_flight}" help:"Events published and not yet acked."`
 	MaxInFlightBytes string `name:"max-in-flight-bytes" env:"JETBOX_MAX_IN_FLIGHT_BYTES" default:"16MiB" help:"Payload bytes published and not yet acked."`
-	PublishTimeout   string `name:"publish-timeout" env:"JETBOX_PUBLISH_TIMEOUT" default:"30s" help:"Wait for one PubAck before the outcome counts as unknown."`
+	PublishTimeout   string `name:"publish-timeout" env:"JETBOX_PUBLISH_TIMEOUT" default:"${default_publish_timeout}" help:"Wait for one PubAck before the outcome counts as unknown."`
 	Delivery         string `name:"delivery" env:"JETBOX_DELIVERY" default:"${default_delivery}" help:"exactly-once: jetbox is the stream's only writer (a stream of its own, limits retention), publishes expect the last sequence and replays are skipped by position, whatever the window; dedup: for streams shared with other publishers, Nats-Msg-Id dedup within the duplicate window."`
 	AtomicTx         string `name:"atomic-transactions" env:"JETBOX_ATOMIC_TRANSACTIONS" default:"false" help:"Store each transaction as JetStream atomic batches, so consumers never see part of one (up to the server's batch limit, 1000 rows by default; larger ones arrive in atomic chunks, the last message has Jetbox-Tx-Last: true). Needs --delivery=exactly-once, nats-server 2.12+ and a stream that allows atomic publish."`
 	OnInvalid        string `name:"on-invalid" env:"JETBOX_ON_INVALID" default:"stop" help:"A row that cannot be published: stop (exit 1, slot kept before it) or dead-letter (publish it to --dead-letter-subject.<reason> and go on)."`
 	DeadLetterSubj   string `name:"dead-letter-subject" env:"JETBOX_DEAD_LETTER_SUBJECT" help:"With --on-invalid=dead-letter: subject prefix for dead letters, captured by the stream. Default <subject-prefix>._dlq." placeholder:"SUBJECT"`
 	OrderGuard       string `name:"order-guard" env:"JETBOX_ORDER_GUARD" default:"true" help:"Send Nats-Expected-Last-Sequence so the stream never holds a gap or reordering (needs jetbox to be the stream's only writer)."`
 	AcceptLostRows   string `name:"accept-lost-rows" env:"JETBOX_ACCEPT_LOST_ROWS" default:"false" help:"Go on where the server does not continue the stream's history (its slot is lost after a failover or drop, its WAL is behind the stream after a restore, its timeline branched before the stream's last row) instead of stopping with exit 2. Rows committed in between may then be missing: prefer jetbox repair."`
-	StatusInterval   string `name:"status-interval" env:"JETBOX_STATUS_INTERVAL" default:"1s" help:"Standby status update period."`
-	PostgresTimeout  string `name:"postgres-timeout" env:"JETBOX_POSTGRES_TIMEOUT" default:"30s" help:"Reconnect when Postgres sends nothing for this long."`
-	ShutdownTimeout  string `name:"shutdown-timeout" env:"JETBOX_SHUTDOWN_TIMEOUT" default:"10s" help:"On stop, wait this long for in-flight acks."`
-	StandbyRetry     string `name:"standby-retry" env:"JETBOX_STANDBY_RETRY" default:"1s" help:"While another instance holds the slot, retry this often (sets the takeover time)."`
+	StatusInterval   string `name:"status-interval" env:"JETBOX_STATUS_INTERVAL" default:"${default_status_interval}" help:"Standby status update period."`
+	PostgresTimeout  string `name:"postgres-timeout" env:"JETBOX_POSTGRES_TIMEOUT" default:"${default_postgres_timeout}" help:"Reconnect when Postgres sends nothing for this long."`
+	ShutdownTimeout  string `name:"shutdown-timeout" env:"JETBOX_SHUTDOWN_TIMEOUT" default:"${default_shutdown_timeout}" help:"On stop, wait this long for in-flight acks."`
+	StandbyRetry     string `name:"standby-retry" env:"JETBOX_STANDBY_RETRY" default:"${default_standby_retry}" help:"While another instance holds the slot, retry this often (sets the takeover time)."`
 	Heartbeat        string `name:"heartbeat-interval" env:"JETBOX_HEARTBEAT_INTERVAL" default:"0s" help:"Write a heartbeat (pg_logical_emit_message) this often; 0 disables."`
 	MaxRetainedWAL   string `name:"max-retained-wal" env:"JETBOX_MAX_RETAINED_WAL" default:"1GiB" help:"Warn (log, metric, /readyz) when the slot retains more WAL; 0 disables."`
-	MonitorInterval  string `name:"monitor-interval" env:"JETBOX_MONITOR_INTERVAL" default:"5s" help:"How often to read the slot's lag and retained WAL (metrics, /readyz, the retained-WAL warning)."`
+	MonitorInterval  string `name:"monitor-interval" env:"JETBOX_MONITOR_INTERVAL" default:"${default_monitor_interval}" help:"How often to read the slot's lag and retained WAL (metrics, /readyz, the retained-WAL warning)."`
 	MaxOutage        string `name:"max-outage" env:"JETBOX_MAX_OUTAGE" default:"10m" help:"Worst-case outage to plan for: check warns when the stream's duplicate window is shorter."`
 	LogLevel         string `name:"log-level" env:"JETBOX_LOG_LEVEL" default:"info" help:"debug, info, warn or error."`
 	LogFormat        string `name:"log-format" env:"JETBOX_LOG_FORMAT" default:"json" help:"json or console."`
@@ -100,6 +133,7 @@ type Config struct {
 type NATSAuth struct {
 	Creds, NKey, User, Password, Token string
 	TLSCA, TLSCert, TLSKey             string
+	TLSFirst                           bool // TLS before the server's INFO (a context's tls_first)
 }
 
 // ConfigError is one invalid setting, with how to fix it.
@@ -140,9 +174,10 @@ func (f *RunFlags) Config() (Config, error) {
 		}
 		return d
 	}
-	c := Config{PostgresURL: f.PostgresURL, NatsURL: f.NatsURL, HTTPAddr: f.HTTPAddr, NATS: NATSAuth{
-		Creds: f.NatsCreds, NKey: f.NatsNKey, User: f.NatsUser, Password: f.NatsPassword, Token: f.NatsToken,
-		TLSCA: f.NatsTLSCA, TLSCert: f.NatsTLSCert, TLSKey: f.NatsTLSKey}}
+	n := f.natsFlags(bad)
+	c := Config{PostgresURL: f.PostgresURL, NatsURL: n.URL, HTTPAddr: f.HTTPAddr, NATS: NATSAuth{
+		Creds: n.Creds, NKey: n.NKey, User: n.User, Password: n.Password, Token: n.Token,
+		TLSCA: n.TLSCA, TLSCert: n.TLSCert, TLSKey: n.TLSKey, TLSFirst: n.TLSFirst}}
 	kinds := 0
 	for _, set := range []bool{f.NatsCreds != "", f.NatsNKey != "", f.NatsUser != "", f.NatsToken != ""} {
 		if set {
@@ -152,18 +187,30 @@ func (f *RunFlags) Config() (Config, error) {
 	if kinds > 1 {
 		bad("nats-creds", "", "more than one NATS credential kind given (creds, nkey, user/password, token)", "pass exactly one of them")
 	}
-	if (f.NatsUser == "") != (f.NatsPassword == "") {
-		bad("nats-user", f.NatsUser, "--nats-user and --nats-password go together", "give both, or neither")
+	if (n.User == "") != (n.Password == "") {
+		if n.fromContext["nats-user"] || n.fromContext["nats-password"] {
+			bad("nats-context", f.NatsContext, "the user and the password (from the context and --nats-user/--nats-password) go together", "give both, or neither")
+		} else {
+			bad("nats-user", f.NatsUser, "--nats-user and --nats-password go together", "give both, or neither")
+		}
 	}
-	if (f.NatsTLSCert == "") != (f.NatsTLSKey == "") {
-		bad("nats-tls-cert", f.NatsTLSCert, "--nats-tls-cert and --nats-tls-key go together", "give both, or neither")
+	if (n.TLSCert == "") != (n.TLSKey == "") {
+		if n.fromContext["nats-tls-cert"] || n.fromContext["nats-tls-key"] {
+			bad("nats-context", f.NatsContext, "the context's cert and key go together", "give both in the context, or --nats-tls-cert and --nats-tls-key")
+		} else {
+			bad("nats-tls-cert", f.NatsTLSCert, "--nats-tls-cert and --nats-tls-key go together", "give both, or neither")
+		}
 	}
-	for flag, path := range map[string]string{"nats-creds": f.NatsCreds, "nats-nkey": f.NatsNKey, "nats-tls-ca": f.NatsTLSCA, "nats-tls-cert": f.NatsTLSCert, "nats-tls-key": f.NatsTLSKey} {
+	for flag, path := range map[string]string{"nats-creds": n.Creds, "nats-nkey": n.NKey, "nats-tls-ca": n.TLSCA, "nats-tls-cert": n.TLSCert, "nats-tls-key": n.TLSKey} {
 		if path == "" {
 			continue
 		}
 		if _, err := os.Stat(path); err != nil {
-			bad(flag, path, "cannot read the file: "+err.Error(), "check the path and permissions")
+			if n.fromContext[flag] {
+				bad("nats-context", f.NatsContext, "its "+strings.TrimPrefix(flag, "nats-")+" file: cannot read it: "+err.Error(), "check the path in the context and the permissions")
+			} else {
+				bad(flag, path, "cannot read the file: "+err.Error(), "check the path and permissions")
+			}
 		}
 	}
 	if f.HTTPAddr != "" {
@@ -186,11 +233,15 @@ func (f *RunFlags) Config() (Config, error) {
 		}
 		c.NatsListen, c.NatsStoreDir = f.NatsListen, f.NatsStoreDir
 	} else {
-		for _, u := range strings.Split(f.NatsURL, ",") {
+		for _, u := range strings.Split(n.URL, ",") {
 			u = strings.TrimSpace(u)
 			pu, err := url.Parse(u)
 			if err != nil || pu.Host == "" || !map[string]bool{"nats": true, "tls": true, "ws": true, "wss": true}[pu.Scheme] {
-				bad("nats-url", u, "not a NATS URL", "use nats://host:4222 (or tls://, ws://, wss://; or embedded); separate several with commas")
+				if n.fromContext["nats-url"] {
+					bad("nats-context", f.NatsContext, "its url "+redact(u)+" is not a NATS URL", "fix the context's url, or give --nats-url")
+				} else {
+					bad("nats-url", u, "not a NATS URL", "use nats://host:4222 (or tls://, ws://, wss://; or embedded); separate several with commas")
+				}
 			}
 		}
 	}

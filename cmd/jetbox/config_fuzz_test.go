@@ -26,6 +26,7 @@ func FuzzConfig(f *testing.F) {
 		"--postgres-url=postgres://u@h/db\n--on-invalid=dead-letter\n--dead-letter-subject=outbox.order",
 		"JETBOX_POSTGRES_URL=postgres://u@h/db\nJETBOX_DELIVERY=exactly-once\n--atomic-transactions=true",
 		"JETBOX_MONITOR_INTERVAL=1ms\nJETBOX_ON_INVALID=dead-letter\n--dead-letter-subject=x",
+		"--postgres-url=postgres://u@h/db\n--nats-context=nosuch\n--nats-token=x",
 		"--help",
 	} {
 		f.Add(seed)

@@ -13,6 +13,7 @@ import (
 
 	"github.com/alecthomas/kong"
 	"github.com/jackc/pgx/v5"
+	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/jetbox-dev/jetbox/internal/natsembed"
 	"github.com/jetbox-dev/jetbox/internal/pgcluster"
 	"github.com/jetbox-dev/jetbox/sink"
@@ -29,15 +30,7 @@ type demoCmd struct {
 }
 
 // outboxDDL is the default outbox contract (the README's DDL).
-const outboxDDL = `CREATE TABLE public.outbox (
-  id             uuid        PRIMARY KEY DEFAULT gen_random_uuid(),
-  aggregate_type text        NOT NULL,
-  aggregate_id   text        NOT NULL,
-  event_type     text        NOT NULL,
-  payload        jsonb       NOT NULL,
-  headers        jsonb,
-  created_at     timestamptz NOT NULL DEFAULT now()
-)`
+const outboxDDL = decoder.OutboxDDL
 
 // demoSchema is the demo's business table and the outbox.
 const demoSchema = `CREATE TABLE orders (

@@ -8,14 +8,19 @@ import (
 	"net/http/pprof"
 	"os"
 	"time"
+
+	"github.com/alecthomas/kong"
 )
 
-// AfterApply is a kong hook, run once the flags are parsed: with --pprof-addr
+// AfterApply is a kong hook, run once the flags are parsed. It lets
+// --nats-context's URL apply when --nats-url is not given (see
+// clearDefaultNatsURL), and with --pprof-addr
 // set it serves Go's profiler there for the life of the process (for
 // cmd/jetbox-bench and for looking into a live jetbox). It lives here rather
 // than in run so that profiling stays out of the forwarder's code. The
 // commands that embed RunFlags (check, status) get it too.
-func (f *RunFlags) AfterApply() error {
+func (f *RunFlags) AfterApply(kctx *kong.Context) error {
+	f.clearDefaultNatsURL(kctx)
 	if f.PprofAddr == "" {
 		return nil
 	}

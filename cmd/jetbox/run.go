@@ -291,5 +291,8 @@ func connectNATS(cfg Config, log zerolog.Logger, asyncErr func(error)) (*nats.Co
 	if a.TLSCert != "" {
 		opts = append(opts, nats.ClientCert(a.TLSCert, a.TLSKey))
 	}
+	if a.TLSFirst {
+		opts = append(opts, nats.TLSHandshakeFirst())
+	}
 	return nats.Connect(cfg.NatsURL, opts...)
 }
