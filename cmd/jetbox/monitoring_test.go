@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"log/slog"
@@ -10,14 +11,21 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/jetbox-dev/jetbox/internal/metrics"
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/model"
+	"github.com/prometheus/prometheus/model/histogram"
 	"github.com/prometheus/prometheus/model/labels"
 	"github.com/prometheus/prometheus/model/rulefmt"
+	"github.com/prometheus/prometheus/promql"
 	"github.com/prometheus/prometheus/promql/parser"
+	"github.com/prometheus/prometheus/storage"
+	"github.com/prometheus/prometheus/tsdb/chunkenc"
+	"github.com/prometheus/prometheus/tsdb/chunks"
+	"github.com/prometheus/prometheus/util/annotations"
 )
 
 // series is what jetbox exports: every series name a query may select, with
@@ -138,8 +146,16 @@ func checkQuery(t errorReporter, where, expr string, known series) (names []stri
 			if !slices.Contains(lbls, m.Name) && !slices.Contains(targetLabels, m.Name) {
 				t.Errorf("%s: %q matches label %q on %s, which has labels %v", where, expr, m.Name, name, lbls)
 			}
-			if name == "jetbox_state" && m.Name == "state" && m.Type == labels.MatchEqual && !slices.Contains(allStatesForTest, m.Value) {
-				t.Errorf("%s: %q: jetbox_state has no state %q", where, expr, m.Value)
+			if name == "jetbox_state" && m.Name == "state" {
+				values := []string{m.Value}
+				if m.Type == labels.MatchRegexp || m.Type == labels.MatchNotRegexp {
+					values = strings.Split(m.Value, "|")
+				}
+				for _, v := range values {
+					if !slices.Contains(allStatesForTest, v) {
+						t.Errorf("%s: %q: jetbox_state has no state %q", where, expr, v)
+					}
+				}
 			}
 		}
 		return nil
@@ -312,3 +328,233 @@ func TestGrafanaDashboard(t *testing.T) {
 		}
 	}
 }
+
+// alertScenarios are metric histories (the series notation of Prometheus'
+// rule tests, one sample a minute for 30 minutes) and the alerts that must
+// fire at their end. "STATE a standby" stands for instance a's jetbox_state
+// series as jetbox exports them: 1 for that state, 0 for every other.
+var alertScenarios = []struct {
+	name   string
+	series string
+	firing []string
+}{
+	{"healthy: one streams, one stands by", `
+		up{job="jetbox", instance="a"} 1x30
+		up{job="jetbox", instance="b"} 1x30
+		STATE a streaming
+		STATE b standby
+		jetbox_replication_lag_bytes{job="jetbox", instance="a"} 1e6+1e6x30
+		jetbox_replication_lag_bytes{job="jetbox", instance="b"} 1e6+1e6x30
+		jetbox_events_published_total{job="jetbox", instance="a"} 0+100x30
+		jetbox_events_published_total{job="jetbox", instance="b"} 0x30
+		jetbox_events_duplicate_total{job="jetbox", instance="a"} 0x30
+		jetbox_events_duplicate_total{job="jetbox", instance="b"} 0x30
+		jetbox_publish_errors_total{job="jetbox", instance="a"} 0x30
+		jetbox_publish_errors_total{job="jetbox", instance="b"} 0x30
+		jetbox_slot_retained_wal_over_threshold{job="jetbox", instance="a"} 0x30
+		jetbox_reconnects_total{job="jetbox", instance="a", side="nats"} 0+0.2x30
+	`, nil},
+	{"stalled: lag grows, nothing acked", `
+		up{job="jetbox", instance="a"} 1x30
+		up{job="jetbox", instance="b"} 1x30
+		STATE a streaming
+		STATE b standby
+		jetbox_replication_lag_bytes{job="jetbox", instance="a"} 0+5e6x30
+		jetbox_replication_lag_bytes{job="jetbox", instance="b"} 0+5e6x30
+		jetbox_events_published_total{job="jetbox", instance="a"} 500x30
+		jetbox_events_duplicate_total{job="jetbox", instance="a"} 7x30
+		jetbox_publish_errors_total{job="jetbox", instance="a"} 0x30
+	`, []string{"JetboxStalled"}},
+	{"publishes fail while a standby waits", `
+		up{job="jetbox", instance="a"} 1x30
+		up{job="jetbox", instance="b"} 1x30
+		STATE a republishing
+		STATE b standby
+		jetbox_replication_lag_bytes{job="jetbox", instance="a"} 0+1e6x30
+		jetbox_events_published_total{job="jetbox", instance="a"} 500x30
+		jetbox_events_duplicate_total{job="jetbox", instance="a"} 0x30
+		jetbox_publish_errors_total{job="jetbox", instance="a"} 0+10x30
+	`, []string{"JetboxPublishFailing", "JetboxStalled", "JetboxNotStreaming"}},
+	{"standbys, no active", `
+		up{job="jetbox", instance="a"} 1x30
+		up{job="jetbox", instance="b"} 1x30
+		STATE a standby
+		STATE b standby
+	`, []string{"JetboxStandbyWithoutActive", "JetboxNotStreaming"}},
+	{"retained WAL over the threshold", `
+		up{job="jetbox", instance="a"} 1x30
+		STATE a streaming
+		jetbox_slot_retained_wal_over_threshold{job="jetbox", instance="a"} 0x20 1x10
+	`, []string{"JetboxRetainedWAL"}},
+	{"an invalid row dead-lettered", `
+		up{job="jetbox", instance="a"} 1x30
+		STATE a streaming
+		jetbox_invalid_rows_total{job="jetbox", instance="a", reason="payload", action="dead-letter"} 0x25 1x5
+	`, []string{"JetboxInvalidRows"}},
+	{"one of two down", `
+		up{job="jetbox", instance="a"} 1x30
+		up{job="jetbox", instance="b"} 1x20 0x10
+		STATE a streaming
+	`, []string{"JetboxDown"}},
+	{"all down", `
+		up{job="jetbox", instance="a"} 1x10 0x20
+		up{job="jetbox", instance="b"} 1x10 0x20
+	`, []string{"JetboxDown", "JetboxAllDown"}},
+	{"not scraped at all", `
+		up{job="other", instance="x"} 1x30
+	`, []string{"JetboxAllDown"}},
+	{"far behind but forwarding", `
+		up{job="jetbox", instance="a"} 1x30
+		STATE a streaming
+		jetbox_replication_lag_bytes{job="jetbox", instance="a"} 300e6x30
+		jetbox_events_published_total{job="jetbox", instance="a"} 0+1000x30
+		jetbox_events_duplicate_total{job="jetbox", instance="a"} 0x30
+	`, []string{"JetboxLagHigh"}},
+	{"slow delivery", `
+		up{job="jetbox", instance="a"} 1x30
+		STATE a streaming
+		jetbox_end_to_end_latency_seconds_bucket{job="jetbox", instance="a", le="1"} 0+90x30
+		jetbox_end_to_end_latency_seconds_bucket{job="jetbox", instance="a", le="2.5"} 0+95x30
+		jetbox_end_to_end_latency_seconds_bucket{job="jetbox", instance="a", le="5"} 0+100x30
+		jetbox_end_to_end_latency_seconds_bucket{job="jetbox", instance="a", le="+Inf"} 0+100x30
+	`, []string{"JetboxSlowDelivery"}},
+	{"flapping NATS connection", `
+		up{job="jetbox", instance="a"} 1x30
+		STATE a streaming
+		jetbox_reconnects_total{job="jetbox", instance="a", side="nats"} 0+1x30
+		jetbox_reconnects_total{job="jetbox", instance="a", side="postgres"} 0x30
+	`, []string{"JetboxReconnecting"}},
+}
+
+// TestAlertRulesFire evaluates deploy/prometheus/alerts.yaml with
+// Prometheus' own engine over the histories above: an alert fires at the
+// end when its expression holds at every evaluation (each minute) over its
+// `for`. Each scenario fires exactly the alerts it names, so every alert both
+// fires when it should and stays quiet in a healthy deployment.
+func TestAlertRulesFire(t *testing.T) {
+	b, err := os.ReadFile(filepath.Join(repoRoot, "deploy/prometheus/alerts.yaml"))
+	must(t, err)
+	rgs := parseRules(t, "alerts.yaml", b, exportedSeries(t))
+	engine := promql.NewEngine(promql.EngineOpts{MaxSamples: 1e6, Timeout: time.Minute, LookbackDelta: 5 * time.Minute,
+		Parser: parser.NewParser(parser.Options{})})
+	t.Cleanup(func() { engine.Close() })
+	end := time.Unix(0, 0).Add(30 * time.Minute)
+	fired := map[string]bool{}
+	for _, sc := range alertScenarios {
+		t.Run(sc.name, func(t *testing.T) {
+			st := loadSeries(t, sc.series)
+			var got []string
+			for _, g := range rgs.Groups {
+				for _, r := range g.Rules {
+					if r.Alert == "" {
+						continue
+					}
+					holds := true
+					for at := end.Add(-time.Duration(r.For)); !at.After(end) && holds; at = at.Add(time.Minute) {
+						q, err := engine.NewInstantQuery(context.Background(), st, nil, r.Expr, at)
+						must(t, err)
+						res := q.Exec(context.Background())
+						if res.Err != nil {
+							t.Fatalf("%s: %v", r.Alert, res.Err)
+						}
+						v, err := res.Vector()
+						must(t, err)
+						holds = len(v) > 0
+						q.Close()
+					}
+					if holds {
+						got = append(got, r.Alert)
+						fired[r.Alert] = true
+					}
+				}
+			}
+			want := slices.Clone(sc.firing)
+			slices.Sort(want)
+			slices.Sort(got)
+			if !slices.Equal(got, want) {
+				t.Errorf("firing %v, want %v", got, want)
+			}
+		})
+	}
+	for _, g := range rgs.Groups {
+		for _, r := range g.Rules {
+			if r.Alert != "" && !fired[r.Alert] {
+				t.Errorf("no scenario makes %s fire", r.Alert)
+			}
+		}
+	}
+}
+
+// loadSeries reads series in the notation of Prometheus' rule tests
+// (`name{labels} 0+5x30`: one sample a minute from time 0) into an in-memory
+// store for the PromQL engine.
+func loadSeries(t *testing.T, text string) storage.Queryable {
+	t.Helper()
+	p := parser.NewParser(parser.Options{})
+	var lines []string
+	for _, line := range strings.Split(text, "\n") {
+		line = strings.TrimSpace(line)
+		if f := strings.Fields(line); len(f) == 3 && f[0] == "STATE" {
+			for _, st := range allStatesForTest {
+				v := "0x30"
+				if st == f[2] {
+					v = "1x30"
+				}
+				lines = append(lines, fmt.Sprintf("jetbox_state{job=\"jetbox\", instance=%q, state=%q} %s", f[1], st, v))
+			}
+		} else if line != "" {
+			lines = append(lines, line)
+		}
+	}
+	var all []storage.Series
+	for _, line := range lines {
+		lbls, vals, err := p.ParseSeriesDesc(line)
+		if err != nil {
+			t.Fatalf("series %q: %v", line, err)
+		}
+		var samples []chunks.Sample
+		for i, v := range vals {
+			if !v.Omitted {
+				samples = append(samples, floatSample{t: int64(i) * time.Minute.Milliseconds(), f: v.Value})
+			}
+		}
+		all = append(all, storage.NewListSeries(lbls, samples))
+	}
+	return &storage.MockQueryable{MockQuerier: &storage.MockQuerier{SelectMockFunction: func(_ bool, _ *storage.SelectHints, ms ...*labels.Matcher) storage.SeriesSet {
+		var out []storage.Series
+		for _, s := range all {
+			ok := true
+			for _, m := range ms {
+				ok = ok && m.Matches(s.Labels().Get(m.Name))
+			}
+			if ok {
+				out = append(out, s)
+			}
+		}
+		slices.SortFunc(out, func(a, b storage.Series) int { return labels.Compare(a.Labels(), b.Labels()) })
+		return &seriesList{list: out, i: -1}
+	}}}
+}
+
+type floatSample struct {
+	t int64
+	f float64
+}
+
+func (s floatSample) T() int64                      { return s.t }
+func (s floatSample) ST() int64                     { return 0 }
+func (s floatSample) F() float64                    { return s.f }
+func (s floatSample) H() *histogram.Histogram       { return nil }
+func (s floatSample) FH() *histogram.FloatHistogram { return nil }
+func (s floatSample) Type() chunkenc.ValueType      { return chunkenc.ValFloat }
+func (s floatSample) Copy() chunks.Sample           { return s }
+
+type seriesList struct {
+	list []storage.Series
+	i    int
+}
+
+func (l *seriesList) Next() bool                        { l.i++; return l.i < len(l.list) }
+func (l *seriesList) At() storage.Series                { return l.list[l.i] }
+func (l *seriesList) Err() error                        { return nil }
+func (l *seriesList) Warnings() annotations.Annotations { return nil }
