@@ -225,6 +225,8 @@ var chartVariants = []chartVariant{
 	{"password-values.yaml", "Deployment", 3, "/healthz"},
 	{"nats-auth-values.yaml", "Deployment", 2, "/healthz"},
 	{"monitoring-values.yaml", "Deployment", 2, "/healthz"},
+	{"nkey-values.yaml", "Deployment", 2, "/healthz"},
+	{"token-values.yaml", "Deployment", 2, "/healthz"},
 	{"sidecar-values.yaml", "StatefulSet", 1, "/healthz"},
 }
 
@@ -389,6 +391,8 @@ func checkChart(t *testing.T, v chartVariant, docs []map[string]any, flagEnv map
 		}
 		rv.Field(i).SetString(val)
 	}
+	standIn := filepath.Join(t.TempDir(), "file")
+	must(t, os.WriteFile(standIn, []byte("x"), 0o600))
 	for _, p := range []string{"JETBOX_NATS_CREDS", "JETBOX_NATS_NKEY", "JETBOX_NATS_TLS_CA", "JETBOX_NATS_TLS_CERT", "JETBOX_NATS_TLS_KEY"} {
 		// Files: mounted from a Secret volume that holds them.
 		path, ok := env[p]
@@ -420,7 +424,7 @@ func checkChart(t *testing.T, v chartVariant, docs []map[string]any, flagEnv map
 		}
 		// Config checks that the files exist: stand in a real one.
 		rv.FieldByName(map[string]string{"JETBOX_NATS_CREDS": "NatsCreds", "JETBOX_NATS_NKEY": "NatsNKey",
-			"JETBOX_NATS_TLS_CA": "NatsTLSCA", "JETBOX_NATS_TLS_CERT": "NatsTLSCert", "JETBOX_NATS_TLS_KEY": "NatsTLSKey"}[p]).SetString("")
+			"JETBOX_NATS_TLS_CA": "NatsTLSCA", "JETBOX_NATS_TLS_CERT": "NatsTLSCert", "JETBOX_NATS_TLS_KEY": "NatsTLSKey"}[p]).SetString(standIn)
 	}
 	if _, err := flags.Config(); err != nil {
 		t.Errorf("jetbox refuses the rendered configuration: %v", err)
