@@ -199,7 +199,7 @@ func TestDeployFiles(t *testing.T) {
 			if len(c.Ports) == 0 || c.Ports[0].Name != "http" || port != strconv.Itoa(c.Ports[0].ContainerPort) {
 				t.Errorf("%s: container port does not match JETBOX_HTTP_ADDR", f)
 			}
-			if c.LivenessProbe.HTTPGet.Path != "/healthz" || c.ReadinessProbe.HTTPGet.Path != "/readyz" || c.LivenessProbe.HTTPGet.Port != "http" {
+			if c.LivenessProbe.HTTPGet.Path != "/healthz" || c.ReadinessProbe.HTTPGet.Path != "/healthz" || c.LivenessProbe.HTTPGet.Port != "http" {
 				t.Errorf("%s: probes %+v %+v", f, c.LivenessProbe, c.ReadinessProbe)
 			}
 			if c.Resources.Requests["memory"] == "" || c.Resources.Limits["memory"] == "" {
