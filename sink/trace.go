@@ -101,7 +101,11 @@ func (p *Publisher) startSpan(ev *decoder.Event, h nats.Header) trace.Span {
 	)
 	ctx, span := t.tracer.Start(ctx, "jetbox publish "+ev.Subject,
 		trace.WithSpanKind(trace.SpanKindProducer), trace.WithAttributes(attrs...))
-	t.prop.Inject(ctx, msgCarrier{h: h, row: ev.Headers})
+	c := msgCarrier{h: h, row: ev.Headers}
+	t.prop.Inject(ctx, c)
+	if span.SpanContext().TraceState().Len() == 0 {
+		c.drop("tracestate") // a row's tracestate without its traceparent belongs to no trace
+	}
 	return span
 }
 
@@ -196,6 +200,15 @@ func (c msgCarrier) Set(key, value string) {
 		}
 	}
 	c.h[key] = []string{value}
+}
+
+// drop removes the row's key, in any case.
+func (c msgCarrier) drop(key string) {
+	for _, rh := range c.row {
+		if strings.EqualFold(rh.Key, key) {
+			delete(c.h, rh.Key)
+		}
+	}
 }
 
 func (c msgCarrier) Keys() []string {

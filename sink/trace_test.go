@@ -52,7 +52,7 @@ func TestSpanHeaders(t *testing.T) {
 	for _, key := range []string{"traceparent", "TraceParent", ""} {
 		var ev *decoder.Event
 		if key == "" {
-			ev = traceEvent(decoder.Header{Key: "tenant", Value: "acme"})
+			ev = traceEvent(decoder.Header{Key: "tenant", Value: "acme"}, decoder.Header{Key: "tracestate", Value: "stale=1"})
 		} else {
 			ev = traceEvent(decoder.Header{Key: key, Value: parent}, decoder.Header{Key: "tracestate", Value: "v=1"})
 		}
@@ -78,6 +78,13 @@ func TestSpanHeaders(t *testing.T) {
 		}
 		if key == "" && s.Parent().IsValid() {
 			t.Errorf("no traceparent: parent %v, want a root span", s.Parent())
+		}
+		wantTS := "v=1"
+		if key == "" {
+			wantTS = "" // the row's tracestate without a traceparent is dropped
+		}
+		if ts := h.Get("tracestate"); ts != wantTS {
+			t.Errorf("row key %q: message tracestate %q, want %q", key, ts, wantTS)
 		}
 		if s.SpanKind() != trace.SpanKindProducer || s.Name() != "jetbox publish outbox.order.OrderCreated" {
 			t.Errorf("span %q kind %v", s.Name(), s.SpanKind())
