@@ -82,6 +82,7 @@ type batchMsg struct {
 	id        string
 	pos       Position
 	committed time.Time
+	span      otelSpan // tracing (sink/trace.go); nil when off
 }
 
 var (
@@ -274,8 +275,11 @@ func (s *AtomicSession) Publish(ev *decoder.Event, done func(error)) error {
 		return nil
 	}
 	h := s.p.header(ev, &s.tx, 4)
+	span := s.p.startSpan(ev, h) // tracing (sink/trace.go): ended by done
+	done = traceDone(span, done) // tracing
 	msg := &nats.Msg{Subject: ev.Subject, Data: ev.Payload, Header: h}
 	if size := len(msg.Data) + headerSize(h) + batchOverhead; size > s.maxSize {
+		endSpan(span, 0, false, errSpanTooLarge) // tracing
 		// The transaction now lacks an event: it must never be sealed.
 		s.mu.Lock()
 		s.failed = true
@@ -286,8 +290,10 @@ func (s *AtomicSession) Publish(ev *decoder.Event, done func(error)) error {
 	defer s.mu.Unlock()
 	switch {
 	case s.failed:
+		endSpan(span, 0, false, errAfterFailure) // tracing
 		return errAfterFailure
 	case s.closing:
+		endSpan(span, 0, false, errSpanClosed) // tracing
 		return errors.New("not published: the session is closed")
 	}
 	if len(s.open) > 0 && s.open[0].pos.CommitLSN != pos.CommitLSN {
@@ -296,7 +302,7 @@ func (s *AtomicSession) Publish(ev *decoder.Event, done func(error)) error {
 	if len(s.open) == s.max {
 		s.seal(false) // a chunk of a transaction larger than a batch
 	}
-	s.open = append(s.open, batchMsg{msg: msg, done: done, id: ev.ID, pos: pos, committed: ev.CommitTime})
+	s.open = append(s.open, batchMsg{msg: msg, done: done, id: ev.ID, pos: pos, committed: ev.CommitTime, span: span})
 	return nil
 }
 
@@ -441,8 +447,9 @@ func (s *AtomicSession) publish(batch []batchMsg) error {
 	s.nextSeq = ack.Sequence
 	s.p.raiseAcked(ack.Sequence)
 	s.p.record(outStored, len(batch))
-	for _, b := range batch {
+	for i, b := range batch {
 		s.p.cfg.Metrics.Latency.Observe(time.Since(b.committed).Seconds())
+		setSpanSeq(b.span, ack.Sequence-uint64(len(batch)-1-i)) // tracing (sink/trace.go)
 		b.done(nil)
 	}
 	return nil

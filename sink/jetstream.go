@@ -60,6 +60,8 @@ type Config struct {
 	// AllowAtomicPublish (nats-server 2.12 or later).
 	AtomicTransactions bool
 	Metrics            *metrics.Metrics
+	// TracerProvider: one span per event (sink/trace.go); nil: no tracing.
+	TracerProvider TracerProvider
 }
 
 // PermanentError is a publish failure that retrying cannot fix (the message is
@@ -85,6 +87,8 @@ type Publisher struct {
 	// forgetThrough: messages up to this sequence belong to a WAL history
 	// the server does not continue (see ForgetPositionsThrough).
 	forgetThrough atomic.Uint64
+
+	tracing *tracing // nil: off (sink/trace.go)
 }
 
 // New returns a publisher using nc, which the caller owns and closes.
@@ -106,7 +110,7 @@ func New(nc *nats.Conn, cfg Config, log zerolog.Logger) (*Publisher, error) {
 	if err != nil {
 		return nil, fmt.Errorf("jetstream context: %w", err)
 	}
-	return &Publisher{cfg: cfg, nc: nc, js: js, denied: make(chan struct{}),
+	return &Publisher{cfg: cfg, nc: nc, js: js, denied: make(chan struct{}), tracing: newTracing(cfg.TracerProvider, cfg.Stream),
 		log: log.With().Str("component", "sink").Str("stream", cfg.Stream).Logger()}, nil
 }
 
@@ -197,6 +201,7 @@ type pendingAck struct {
 	id        string
 	pos       Position
 	size      int
+	span      otelSpan // tracing (sink/trace.go); nil when off
 }
 
 // Open starts a session; Close it to wait for its acks. In exactly-once mode
@@ -268,9 +273,11 @@ func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
 			h[jetstream.ExpectedLastMsgIDHeader] = []string{s.lastID}
 		}
 	}
+	span := s.p.startSpan(ev, h) // tracing (sink/trace.go)
 	msg := &nats.Msg{Subject: ev.Subject, Data: ev.Payload, Header: h}
 	fut, err := s.p.js.PublishMsgAsync(msg, opts...)
 	if err != nil {
+		endSpan(span, 0, false, err) // tracing
 		s.p.record(outFailed, 1)
 		if errors.Is(err, nats.ErrMaxPayload) {
 			return tooLarge(ev.ID, pos, fmt.Sprintf("message of %d bytes (payload %d) is over the server's max_payload of %d bytes", len(msg.Data)+headerSize(msg.Header), len(ev.Payload), s.p.nc.MaxPayload()))
@@ -284,7 +291,7 @@ func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
 	if serial != nil {
 		s.serialWait = serial
 	}
-	s.pending <- pendingAck{serial: serial, guarded: guarded, expect: s.nextSeq - 1, fut: fut, done: done, committed: ev.CommitTime, id: ev.ID, pos: pos, size: len(ev.Payload)}
+	s.pending <- pendingAck{serial: serial, guarded: guarded, expect: s.nextSeq - 1, fut: fut, done: done, committed: ev.CommitTime, id: ev.ID, pos: pos, size: len(ev.Payload), span: span}
 	return nil
 }
 
@@ -398,6 +405,7 @@ func (s *Session) watch() {
 		flush()
 		frozen = true
 		s.p.record(outFailed, 1)
+		endSpan(pa.span, 0, false, err) // tracing
 		pa.done(err)
 		pa.report(serialResult{err: err})
 	}
@@ -468,6 +476,7 @@ func (s *Session) watch() {
 			s.p.record(outStored, 1)
 			s.p.cfg.Metrics.Latency.Observe(time.Since(pa.committed).Seconds())
 		}
+		endSpan(pa.span, ack.Sequence, ack.Duplicate, nil) // tracing
 		ready = append(ready, readyAck{pa: pa, seq: ack.Sequence, dup: ack.Duplicate})
 		if pa.serial != nil || len(ready) >= 1024 {
 			flush() // a Publish waits for it

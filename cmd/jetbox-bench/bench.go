@@ -39,6 +39,7 @@ type Report struct {
 	StartErr                        error
 	SteadyCheck                     error // jetbox's steady-state stream, checked after all steps and start-ups
 	Profiled                        *throughput
+	Traced                          *throughput // --trace
 	ProfilePath                     string
 	ProfileErr                      error
 	cfg                             Config
@@ -123,6 +124,9 @@ func (b *bench) runAll(ctx context.Context, rep *Report) {
 		rep.ExactlyOnce, _ = b.jetboxCatchup(ctx, "jetbox, --delivery=exactly-once", newDeployment("exactly", "exactly-once"),
 			c.Rows, c.TxRows, catchupOpts{})
 	})
+	if c.Trace { // beside the other catch-ups, to compare with them
+		step("traced catch-up", func() { rep.Traced = b.tracedCatchup(ctx) })
+	}
 	step("polling relay", func() { rep.Relay = b.relayCatchup(ctx, c.Rows, c.TxRows) })
 	step("raw publish", func() {
 		rep.RawID = b.rawPublish(ctx, "raw async JetStream publish, Nats-Msg-Id only", "RAW", c.Rows, idOnly)

@@ -126,7 +126,7 @@ func TestBenchSmoke(t *testing.T) {
 	cfg.WorkDir = t.TempDir()
 	cfg.Rows, cfg.BigTx, cfg.Writers, cfg.Starts = 3000, 2000, 4, 1
 	cfg.Steady, cfg.Step, cfg.Rates = 2*time.Second, time.Second, []int{3000}
-	cfg.Profile, cfg.Timeout = true, time.Minute
+	cfg.Profile, cfg.Trace, cfg.Timeout = true, true, time.Minute
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	rep, err := Run(ctx, cfg, zerolog.New(zerolog.NewTestWriter(t)).With().Timestamp().Logger())
@@ -144,9 +144,9 @@ func TestBenchSmoke(t *testing.T) {
 			t.Errorf("%s: no rate", tp.Name)
 		}
 	}
-	if rep.Steady == nil || rep.RelaySteady == nil || rep.RawSteady == nil || len(rep.Startups) != 1 || rep.ProfilePath == "" {
-		t.Fatalf("a workload did not run: steady %v, relay %v, raw %v, start-ups %v, profile %q",
-			rep.Steady != nil, rep.RelaySteady != nil, rep.RawSteady != nil, rep.Startups, rep.ProfilePath)
+	if rep.Steady == nil || rep.RelaySteady == nil || rep.RawSteady == nil || len(rep.Startups) != 1 || rep.ProfilePath == "" || rep.Traced == nil {
+		t.Fatalf("a workload did not run: steady %v, relay %v, raw %v, start-ups %v, profile %q, traced %v",
+			rep.Steady != nil, rep.RelaySteady != nil, rep.RawSteady != nil, rep.Startups, rep.ProfilePath, rep.Traced != nil)
 	}
 	for _, want := range []string{"| jetbox, --delivery=dedup |", "| comparison | measured |", "catch-up: jetbox vs pg_recvlogical"} {
 		if !strings.Contains(out.String(), want) {

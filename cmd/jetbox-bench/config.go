@@ -32,6 +32,7 @@ type Config struct {
 	RelayPoll   time.Duration
 	Window      int           // in-flight window of the raw async publish
 	Profile     bool          // an extra, profiled jetbox catch-up (needs jetbox --pprof-addr)
+	Trace       bool          // an extra jetbox catch-up with tracing on (every event sampled)
 	Timeout     time.Duration // bound on each wait for a workload to finish
 }
 
@@ -77,6 +78,7 @@ func parseFlags(args []string, stderr io.Writer) (Config, error) {
 	fs.DurationVar(&c.RelayPoll, "relay-poll", c.RelayPoll, "polling relay: pause after an empty round")
 	fs.IntVar(&c.Window, "window", c.Window, "raw async publish: messages in flight")
 	fs.BoolVar(&c.Profile, "profile", false, "also profile jetbox (CPU, pprof) in an extra catch-up; the profile and the logs stay in the work dir")
+	fs.BoolVar(&c.Trace, "trace", false, "also a catch-up with OpenTelemetry tracing on (every event sampled, OTLP/HTTP to a receiver in the bench), to compare with the exactly-once catch-up")
 	fs.DurationVar(&c.Timeout, "timeout", c.Timeout, "give up on a workload that has not finished within this")
 	if err := fs.Parse(args); err != nil {
 		return Config{}, err

@@ -28,7 +28,7 @@ func (r *Report) Failed() bool {
 
 func (r *Report) throughputs() []*throughput {
 	var out []*throughput
-	for _, t := range []*throughput{r.Dedup, r.ExactlyOnce, r.Relay, r.Recv, r.RawID, r.RawHeaders, r.RawGuarded, r.FastBatch, r.BigTx, r.Profiled} {
+	for _, t := range []*throughput{r.Dedup, r.ExactlyOnce, r.Traced, r.Relay, r.Recv, r.RawID, r.RawHeaders, r.RawGuarded, r.FastBatch, r.BigTx, r.Profiled} {
 		if t != nil {
 			out = append(out, t)
 		}

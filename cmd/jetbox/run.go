@@ -45,6 +45,13 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 		return exitConfig
 	}
 	defer ops.close()
+	tp, stopTracing, err := startTracing(ctx, cfg.Metrics, log) // tracing.go
+	if err != nil {
+		printProblems(stderr, "tracing", err)
+		return exitConfig
+	}
+	defer stopTracing() // after the last ack: exports the last spans, bounded
+	cfg.Sink.TracerProvider = tp
 
 	if cfg.NatsURL == "embedded" {
 		srv, err := startEmbeddedNATS(cfg)

@@ -40,6 +40,9 @@ type Metrics struct {
 	Heartbeats    prometheus.Counter
 	State         *prometheus.GaugeVec
 	InvalidRows   *prometheus.CounterVec
+	// SpansDropped: trace spans lost, per reason: queue_full (the export
+	// queue was full; publishing never waits for it) or export_failed.
+	SpansDropped *prometheus.CounterVec
 }
 
 // New registers jetbox's metrics (and the Go and process collectors) on a new registry.
@@ -66,12 +69,16 @@ func New() *Metrics {
 		State:        prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "jetbox_state", Help: "1 for the forwarder's current state."}, []string{"state"}),
 		InvalidRows: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "jetbox_invalid_rows_total",
 			Help: "Outbox rows that could not be published, per reason and action (stop, or dead-letter: published to the dead-letter subject)."}, []string{"reason", "action"}),
+		SpansDropped: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "jetbox_trace_spans_dropped_total",
+			Help: "Trace spans not exported, per reason: queue_full (the export queue was full: publishing never waits for it) or export_failed."}, []string{"reason"}),
 	}
 	r.MustRegister(m.Published, m.Duplicates, m.PublishErrors, m.Retries, m.InFlight, m.ConfirmedLSN, m.ServerLSN,
-		m.LagBytes, m.RetainedWAL, m.RetainedOver, m.Latency, m.Transactions, m.Reconnects, m.Heartbeats, m.State, m.InvalidRows,
+		m.LagBytes, m.RetainedWAL, m.RetainedOver, m.Latency, m.Transactions, m.Reconnects, m.Heartbeats, m.State, m.InvalidRows, m.SpansDropped,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.Reconnects.WithLabelValues("postgres")
 	m.Reconnects.WithLabelValues("nats")
+	m.SpansDropped.WithLabelValues("queue_full")
+	m.SpansDropped.WithLabelValues("export_failed")
 	m.SetState(StateStarting)
 	return m
 }

@@ -1,0 +1,151 @@
+package sink
+
+import (
+	"context"
+	"errors"
+	"testing"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jetbox-dev/jetbox/decoder"
+	"go.opentelemetry.io/otel/attribute"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
+)
+
+func traceEvent(headers ...decoder.Header) *decoder.Event {
+	return &decoder.Event{ID: "id-1", Subject: "outbox.order.OrderCreated", Payload: []byte(`{}`), CommitLSN: pglogrepl.LSN(0x16B3748), TxIndex: 2, Headers: headers}
+}
+
+// TestTracingOffAllocatesNothing: with no tracer provider the publish
+// path's hooks are nil checks.
+func TestTracingOffAllocatesNothing(t *testing.T) {
+	p := &Publisher{tracing: newTracing(nil, "OUTBOX")}
+	if p.tracing != nil {
+		t.Fatal("tracing on without a provider")
+	}
+	ev := traceEvent(decoder.Header{Key: "traceparent", Value: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"})
+	var tx txText
+	h := p.header(ev, &tx, 2)
+	done := func(error) {}
+	allocs := testing.AllocsPerRun(100, func() {
+		span := p.startSpan(ev, h)
+		endSpan(span, 1, false, nil)
+		_ = traceDone(span, done)
+		setSpanSeq(span, 1)
+	})
+	if allocs != 0 {
+		t.Errorf("%v allocations per event with tracing off, want 0", allocs)
+	}
+	if got := h["traceparent"]; len(got) != 1 || got[0] != ev.Headers[0].Value {
+		t.Errorf("tracing off changed the row's traceparent: %v", got)
+	}
+}
+
+// TestSpanHeaders: the span continues the row's trace (its key in any
+// case), and the message carries one traceparent, the span's.
+func TestSpanHeaders(t *testing.T) {
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	p := &Publisher{tracing: newTracing(tp, "OUTBOX")}
+	const parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+	for _, key := range []string{"traceparent", "TraceParent", ""} {
+		var ev *decoder.Event
+		if key == "" {
+			ev = traceEvent(decoder.Header{Key: "tenant", Value: "acme"}, decoder.Header{Key: "tracestate", Value: "stale=1"})
+		} else {
+			ev = traceEvent(decoder.Header{Key: key, Value: parent}, decoder.Header{Key: "tracestate", Value: "v=1"})
+		}
+		var tx txText
+		h := p.header(ev, &tx, 2)
+		span := p.startSpan(ev, h)
+		sc := span.SpanContext()
+		endSpan(span, 7, true, nil)
+		var n int
+		for k := range h {
+			if k == "traceparent" || k == "TraceParent" || k == "Traceparent" {
+				n++
+			}
+		}
+		want := "00-" + sc.TraceID().String() + "-" + sc.SpanID().String() + "-01"
+		if n != 1 || h.Get("traceparent") != want {
+			t.Errorf("row key %q: message headers %v, want one traceparent %s", key, h, want)
+		}
+		ended := rec.Ended()
+		s := ended[len(ended)-1]
+		if key != "" && (s.Parent().TraceID().String() != "4bf92f3577b34da6a3ce929d0e0e4736" || s.Parent().SpanID().String() != "00f067aa0ba902b7" || sc.TraceState().String() != "v=1") {
+			t.Errorf("row key %q: parent %v, tracestate %q", key, s.Parent(), sc.TraceState())
+		}
+		if key == "" && s.Parent().IsValid() {
+			t.Errorf("no traceparent: parent %v, want a root span", s.Parent())
+		}
+		wantTS := "v=1"
+		if key == "" {
+			wantTS = "" // the row's tracestate without a traceparent is dropped
+		}
+		if ts := h.Get("tracestate"); ts != wantTS {
+			t.Errorf("row key %q: message tracestate %q, want %q", key, ts, wantTS)
+		}
+		if s.SpanKind() != trace.SpanKindProducer || s.Name() != "jetbox publish outbox.order.OrderCreated" {
+			t.Errorf("span %q kind %v", s.Name(), s.SpanKind())
+		}
+		attrs := map[attribute.Key]attribute.Value{}
+		for _, a := range s.Attributes() {
+			attrs[a.Key] = a.Value
+		}
+		for k, want := range map[attribute.Key]string{"messaging.system": "nats", "messaging.message.id": "id-1",
+			"messaging.destination.name": "outbox.order.OrderCreated", "jetbox.commit_lsn": "0/16B3748", "jetbox.outcome": "duplicate"} {
+			if got := attrs[k].Emit(); got != want {
+				t.Errorf("attribute %s = %q, want %q", k, got, want)
+			}
+		}
+		if attrs[AttrSeq].AsInt64() != 7 || attrs[AttrTxIndex].AsInt64() != 2 {
+			t.Errorf("attributes %v", attrs)
+		}
+	}
+	// An error ends the span with the error status (atomic: through done).
+	ev := traceEvent()
+	var tx txText
+	called := false
+	done := traceDone(p.startSpan(ev, p.header(ev, &tx, 2)), func(error) { called = true })
+	done(errors.New("boom"))
+	s := rec.Ended()[len(rec.Ended())-1]
+	if !called || s.Status().Description != "boom" || s.Status().Code.String() != "Error" {
+		t.Errorf("done called %v, span status %v", called, s.Status())
+	}
+	_ = tp.Shutdown(context.Background())
+}
+
+// discardExporter drops every span (the cost measured is jetbox's and the SDK's, not an exporter's).
+type discardExporter struct{}
+
+func (discardExporter) ExportSpans(context.Context, []sdktrace.ReadOnlySpan) error { return nil }
+func (discardExporter) Shutdown(context.Context) error                             { return nil }
+
+// BenchmarkPublishSpan is the per-event cost of a span in the publish path:
+// off (no provider), and on with every span sampled into a batch span
+// processor whose exporter discards.
+func BenchmarkPublishSpan(b *testing.B) {
+	ev := traceEvent(decoder.Header{Key: "traceparent", Value: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"})
+	for _, on := range []bool{false, true} {
+		name := "off"
+		p := &Publisher{}
+		var tp *sdktrace.TracerProvider
+		if on {
+			name = "on"
+			tp = sdktrace.NewTracerProvider(sdktrace.WithBatcher(discardExporter{}), sdktrace.WithSampler(sdktrace.AlwaysSample()))
+			p.tracing = newTracing(tp, "OUTBOX")
+		}
+		b.Run(name, func(b *testing.B) {
+			b.ReportAllocs()
+			var tx txText
+			for i := 0; i < b.N; i++ {
+				h := p.header(ev, &tx, 2)
+				endSpan(p.startSpan(ev, h), uint64(i+1), false, nil)
+			}
+		})
+		if tp != nil {
+			_ = tp.Shutdown(context.Background())
+		}
+	}
+}
