@@ -16,7 +16,7 @@ const (
 	HeaderRowID            = "Jetbox-Row-Id"             // the row's id as it was (escaped)
 	HeaderOriginalSubject  = "Jetbox-Original-Subject"   // the subject the row would have had
 	HeaderTable            = "Jetbox-Table"
-	HeaderMessagePrefix    = "Jetbox-Message-Prefix" // instead of Jetbox-Table, for a logical decoding message
+	HeaderMessagePrefix    = "Jetbox-Message-Prefix"   // instead of Jetbox-Table, for a logical decoding message
 	HeaderOriginalHeaders  = "Jetbox-Original-Headers" // the headers column as it was (escaped)
 	HeaderPayloadOmitted   = "Jetbox-Payload-Omitted"  // "true" when the payload did not fit
 	HeaderPayloadSize      = "Jetbox-Payload-Size"
