@@ -8,10 +8,11 @@ import (
 
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
+	"github.com/jetbox-dev/jetbox/decoder"
 )
 
 // HeartbeatPrefix is the logical message prefix of jetbox's heartbeats.
-const HeartbeatPrefix = "jetbox-heartbeat"
+const HeartbeatPrefix = decoder.HeartbeatPrefix
 
 // SlotStats is what the monitor last read about the slot.
 type SlotStats struct {

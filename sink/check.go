@@ -53,6 +53,14 @@ func (p *Publisher) Check(ctx context.Context, maxOutage time.Duration) []check.
 	} else {
 		l.Add(check.Info, "nats.stream", fmt.Sprintf("stream %q captures %q (%d messages)", p.cfg.Stream, want, s.CachedInfo().State.Msgs), "")
 	}
+	if f := p.cfg.SubjectFilter; f != "" {
+		if Captures(cfg.Subjects, f) {
+			l.Add(check.Info, "nats.subjects", fmt.Sprintf("stream %q captures every subject the subject template produces (%s)", p.cfg.Stream, f), "")
+		} else {
+			l.Add(check.Error, "nats.subjects", fmt.Sprintf("stream %q has subjects %q, which do not capture every subject the subject template produces (%s)", p.cfg.Stream, cfg.Subjects, f),
+				fmt.Sprintf("add %q (or %q) to the stream's subjects, or change --subject-template", f, want))
+		}
+	}
 	if dl := p.cfg.DeadLetterSubject + ".>"; p.cfg.DeadLetterSubject != "" {
 		if Captures(cfg.Subjects, dl) {
 			l.Add(check.Info, "nats.dead_letter", fmt.Sprintf("dead letters go to %s, in stream %q", dl, p.cfg.Stream), "")

@@ -57,8 +57,11 @@ const CommitTimeLayout = "2006-01-02T15:04:05.000000000Z07:00"
 
 // Config configures publishing.
 type Config struct {
-	Stream          string        // stream name, e.g. "OUTBOX"
-	SubjectPrefix   string        // subjects are "<prefix>.>"
+	Stream        string // stream name, e.g. "OUTBOX"
+	SubjectPrefix string // subjects are "<prefix>.>"
+	// SubjectFilter matches every subject the subject template produces
+	// (decoder.Template.Filter, under SubjectPrefix); check reports it.
+	SubjectFilter   string
 	DuplicateWindow time.Duration // for a stream jetbox creates
 	PublishTimeout  time.Duration // how long to wait for one PubAck
 	MaxPending      int           // async publishes in flight (the tracker's window)

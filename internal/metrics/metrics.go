@@ -40,6 +40,9 @@ type Metrics struct {
 	Heartbeats    prometheus.Counter
 	State         *prometheus.GaugeVec
 	InvalidRows   *prometheus.CounterVec
+	// IgnoredMessages counts logical decoding messages that published
+	// nothing, per reason (decoder.Ignored*).
+	IgnoredMessages *prometheus.CounterVec
 }
 
 // New registers jetbox's metrics (and the Go and process collectors) on a new registry.
@@ -66,9 +69,11 @@ func New() *Metrics {
 		State:        prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "jetbox_state", Help: "1 for the forwarder's current state."}, []string{"state"}),
 		InvalidRows: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "jetbox_invalid_rows_total",
 			Help: "Outbox rows that could not be published, per reason and action (stop, or dead-letter: published to the dead-letter subject)."}, []string{"reason", "action"}),
+		IgnoredMessages: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "jetbox_messages_ignored_total",
+			Help: "Logical decoding messages that published nothing, per reason: heartbeat, other-prefix, non-transactional (the outbox prefix emitted with transactional=false: a producer bug)."}, []string{"reason"}),
 	}
 	r.MustRegister(m.Published, m.Duplicates, m.PublishErrors, m.Retries, m.InFlight, m.ConfirmedLSN, m.ServerLSN,
-		m.LagBytes, m.RetainedWAL, m.RetainedOver, m.Latency, m.Transactions, m.Reconnects, m.Heartbeats, m.State, m.InvalidRows,
+		m.LagBytes, m.RetainedWAL, m.RetainedOver, m.Latency, m.Transactions, m.Reconnects, m.Heartbeats, m.State, m.InvalidRows, m.IgnoredMessages,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.Reconnects.WithLabelValues("postgres")
 	m.Reconnects.WithLabelValues("nats")
