@@ -161,6 +161,9 @@ func (m *monitor) checkPublication(ctx context.Context, conn *pgx.Conn) {
 		m.fail(fmt.Errorf("monitor publication query: %w", err))
 		return
 	}
+	if !cfg.hasTable() { // --source=messages: only the publication must exist
+		published, inserts, tableExists = true, true, true
+	}
 	since := m.published
 	start := m.s.startOID.Load()
 	replaced := start != 0 && oid != 0 && oid != start
@@ -176,6 +179,9 @@ func (m *monitor) checkPublication(ctx context.Context, conn *pgx.Conn) {
 		return
 	}
 	create := fmt.Sprintf("CREATE PUBLICATION %s FOR TABLE %s WITH (publish = 'insert')", quoteIdent(cfg.Publication), cfg.quotedTable())
+	if !cfg.hasTable() {
+		create = "CREATE PUBLICATION " + quoteIdent(cfg.Publication)
+	}
 	var what, fix string
 	switch {
 	case !pubExists:

@@ -414,3 +414,40 @@ func countOwned(owner map[string]int, i int) int {
 	}
 	return n
 }
+
+// TestMessagesOnlySource: --source=messages needs no outbox table: check
+// passes on a database without one (creating an empty publication), run
+// publishes jetbox_emit events, and check refuses a stream whose subjects
+// do not capture every subject of the template.
+func TestMessagesOnlySource(t *testing.T) {
+	f := newFixture(t, withDDL(emitFunctionDDL))
+	base := []string{"--postgres-url=" + f.pg.DSN, "--nats-url=" + f.nats.URL, "--source=messages"}
+	var out, errOut strings.Builder
+	if code := realMain(append([]string{"check"}, base...), &out, &errOut); code != exitOK ||
+		!strings.Contains(out.String(), "no outbox table") || !strings.Contains(out.String(), "PUBLICATION \"jetbox\"") ||
+		!strings.Contains(out.String(), "pg_logical_emit_message(true, \"jetbox\"") {
+		t.Fatalf("check: exit %d:\n%s%s", code, out.String(), errOut.String())
+	}
+	p := f.start("JETBOX_SOURCE=messages")
+	f.waitStreaming(p)
+	o := f.newOracle()
+	f.pg.Exec(t, `SELECT jetbox_emit('order', '1', 'E', '{"a": 1}'); INSERT INTO other (note) VALUES ('not an event')`)
+	f.waitCount(1, 30*time.Second)
+	f.assertStream(eventIDs(o.events()))
+	if code := p.stop(); code != exitOK {
+		t.Fatalf("exit %d", code)
+	}
+
+	// A stream limited to three-token subjects cannot hold a four-token template's.
+	st, err := f.js.Stream(ctxT(t, 5*time.Second), "OUTBOX")
+	must(t, err)
+	cfg := st.CachedInfo().Config
+	cfg.Subjects = []string{"outbox.*.*"}
+	_, err = f.js.UpdateStream(ctxT(t, 5*time.Second), cfg)
+	must(t, err)
+	out.Reset()
+	code := realMain(append([]string{"check", "--subject-template={prefix}.{aggregate_type}.{aggregate_id}.{event_type}"}, base...), &out, &errOut)
+	if code != exitConfig || !strings.Contains(out.String(), "do not capture every subject the subject template produces (outbox.*.*.*)") {
+		t.Fatalf("check: exit %d:\n%s", code, out.String())
+	}
+}
