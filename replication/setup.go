@@ -333,7 +333,11 @@ func Ensure(ctx context.Context, connString string, cfg Config, log zerolog.Logg
 		if _, err := conn.Exec(ctx, c.publicationSQL()); err != nil && !isDuplicate(err) { // another instance won the race
 			return fmt.Errorf("create publication %q: %w", cfg.Publication, err)
 		}
-		log.Info().Str("publication", cfg.Publication).Str("table", cfg.qualifiedTable()).Msg("created publication")
+		ev := log.Info().Str("publication", cfg.Publication)
+		if cfg.hasTable() {
+			ev = ev.Str("table", cfg.qualifiedTable())
+		}
+		ev.Msg("created publication")
 	}
 	if err := conn.QueryRow(ctx, "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1", cfg.Slot).Scan(&n); err != nil {
 		return fmt.Errorf("look up slot %q: %w", cfg.Slot, err)

@@ -29,6 +29,7 @@ var mixedEnv = []string{"JETBOX_SOURCE=table,messages"}
 type oracleEvent struct {
 	ID, AggregateID string
 	Message         bool
+	Last            bool // the last event of its transaction
 }
 
 var (
@@ -47,12 +48,22 @@ func (o *oracle) events() []oracleEvent {
 		o.f.t.Fatal(err)
 	}
 	var out []oracleEvent
+	last := -1 // the transaction's last event so far
 	for rows.Next() {
 		var line string
 		if err := rows.Scan(&line); err != nil {
 			o.f.t.Fatal(err)
 		}
+		switch {
+		case strings.HasPrefix(line, "BEGIN"):
+			last = -1
+		case strings.HasPrefix(line, "COMMIT"):
+			if last >= 0 {
+				out[last].Last = true
+			}
+		}
 		if m := oracleRowAgg.FindStringSubmatch(line); m != nil {
+			last = len(out)
 			out = append(out, oracleEvent{ID: m[1], AggregateID: m[2]})
 		} else if m := oracleMsg.FindStringSubmatch(line); m != nil {
 			var env struct{ ID, AggregateID string }
@@ -61,6 +72,7 @@ func (o *oracle) events() []oracleEvent {
 				env.ID, _ = raw["id"].(string)
 				env.AggregateID, _ = raw["aggregate_id"].(string)
 			}
+			last = len(out)
 			out = append(out, oracleEvent{ID: env.ID, AggregateID: env.AggregateID, Message: true})
 		}
 	}
@@ -107,11 +119,23 @@ func mixedTx(ctx context.Context, conn *pgx.Conn, rng *rand.Rand, aggregates []s
 // order, exactly as the test_decoding oracle saw them commit, once each,
 // across two SIGKILLs; Jetbox-Tx-Index counts rows and messages together;
 // other prefixes, non-transactional messages and heartbeats publish
-// nothing.
+// nothing. It runs once more with --atomic-transactions: the stream's last
+// message is then always a transaction's end (Jetbox-Tx-Last), whether the
+// transaction ends with a row or a message.
 func TestMixedRowsAndMessages(t *testing.T) {
+	for _, mode := range []struct {
+		name string
+		env  []string
+	}{{"per-event", nil}, {"atomic", []string{"JETBOX_ATOMIC_TRANSACTIONS=true", "JETBOX_DELIVERY=exactly-once"}}} {
+		t.Run(mode.name, func(t *testing.T) { testMixedRowsAndMessages(t, mode.env) })
+	}
+}
+
+func testMixedRowsAndMessages(t *testing.T, extra []string) {
 	f := newFixture(t, withDDL(mixedDDL))
 	o := f.newOracle()
-	env := append([]string{"JETBOX_HEARTBEAT_INTERVAL=1s"}, mixedEnv...)
+	env := append(append([]string{"JETBOX_HEARTBEAT_INTERVAL=1s"}, mixedEnv...), extra...)
+	atomicTx := len(extra) > 0
 	p := f.start(env...)
 	f.waitStreaming(p)
 	ctx := ctxT(t, 2*time.Minute)
@@ -194,6 +218,14 @@ func TestMixedRowsAndMessages(t *testing.T) {
 	want = o.events()
 	f.waitCount(len(want), time.Minute)
 	f.assertStream(eventIDs(want))
+	if atomicTx {
+		lasts := map[string]bool{}
+		for _, e := range want {
+			lasts[e.ID] = e.Last
+		}
+		batches := assertTransactions(t, testenv.ReadStream(t, f.js, "OUTBOX", true), lasts, nil)
+		t.Logf("%d events in %d atomic batches", len(want), len(batches))
+	}
 	if code := p.stop(); code != exitOK {
 		t.Fatalf("exit %d", code)
 	}
