@@ -34,9 +34,23 @@ var captureWorkloads = [][]string{
 	{`CREATE TABLE bin (id text PRIMARY KEY, body bytea)`, `INSERT INTO bin VALUES ('b', '\x00ff0a5c')`},
 }
 
+// captureMessageWorkloads are transactions with logical decoding messages
+// (recorded with the messages option on): envelopes as jetbox_emit writes
+// them, mixed with rows, a binary payload, a bad envelope, another prefix,
+// a non-transactional message and a heartbeat.
+var captureMessageWorkloads = [][]string{
+	{`INSERT INTO outbox (aggregate_type, aggregate_id, kind, payload) VALUES ('order', 'o-20', 'RowFirst', '{}')`, // kind: renamed above
+		`SELECT pg_logical_emit_message(true, 'jetbox', jsonb_build_object('id', gen_random_uuid(), 'aggregate_type', 'order', 'aggregate_id', 'o-20', 'event_type', 'MessageSecond', 'payload', '{"total": 1.5}'::jsonb, 'headers', '{"traceparent": "00-1"}'::jsonb)::text)`},
+	{`SELECT pg_logical_emit_message(true, 'jetbox', jsonb_build_object('id', gen_random_uuid(), 'aggregate_type', 'file', 'aggregate_id', 'f-1', 'event_type', 'Uploaded', 'payload_base64', encode('\x00ff0a'::bytea, 'base64'))::text)`,
+		`SELECT pg_logical_emit_message(true, 'jetbox', '{"id": "bad", "aggregate_type": "order"')`,
+		`SELECT pg_logical_emit_message(true, 'other', 'not ours')`},
+	{`SELECT pg_logical_emit_message(false, 'jetbox', '{"id": "nontx"}')`, `SELECT pg_logical_emit_message(false, 'jetbox-heartbeat', '')`,
+		`INSERT INTO other (note) VALUES ('after messages')`},
+}
+
 // TestCaptureCorpus records real pgoutput traffic from a real Postgres into
-// testdata/fuzz (the committed seed corpus of FuzzDecode and
-// FuzzDecodeStream). It runs only with JETBOX_CAPTURE_CORPUS=1.
+// testdata/fuzz (the committed seed corpus of FuzzDecode, FuzzDecodeStream
+// and FuzzEnvelope). It runs only with JETBOX_CAPTURE_CORPUS=1.
 func TestCaptureCorpus(t *testing.T) {
 	if os.Getenv("JETBOX_CAPTURE_CORPUS") != "1" {
 		t.Skip("set JETBOX_CAPTURE_CORPUS=1 to re-record the seed corpus")
@@ -63,16 +77,17 @@ func TestCaptureCorpus(t *testing.T) {
 		t.Fatal(err)
 	}
 	if err := pglogrepl.StartReplication(ctx, conn, "capture", 0, pglogrepl.StartReplicationOptions{
-		PluginArgs: []string{"proto_version '1'", "publication_names 'capture'"}}); err != nil {
+		PluginArgs: []string{"proto_version '1'", "publication_names 'capture'", "messages 'true'"}}); err != nil {
 		t.Fatal(err)
 	}
-	for _, w := range captureWorkloads {
+	workloads := append(append([][]string(nil), captureWorkloads...), captureMessageWorkloads...)
+	for _, w := range workloads {
 		pg.Exec(t, strings.Join(w, "; "))
 	}
 	pg.Exec(t, "INSERT INTO other (note) VALUES ('end')") // a last transaction to wait for
 	var session [][]byte
 	commits := 0
-	for commits < len(captureWorkloads)+1 {
+	for commits < len(workloads)+1 {
 		msg, err := conn.ReceiveMessage(ctx)
 		if err != nil {
 			t.Fatal(err)
@@ -93,6 +108,10 @@ func TestCaptureCorpus(t *testing.T) {
 	dir := filepath.Join("testdata", "fuzz")
 	for _, m := range session {
 		writeCorpus(t, filepath.Join(dir, "FuzzDecode"), m)
+		var lm pglogrepl.LogicalDecodingMessage
+		if m[0] == 'M' && lm.Decode(m[1:]) == nil && lm.Prefix == "jetbox" {
+			writeCorpus(t, filepath.Join(dir, "FuzzEnvelope"), lm.Content)
+		}
 	}
 	writeCorpus(t, filepath.Join(dir, "FuzzDecodeStream"), joinMessages(session))
 	t.Logf("recorded %d pgoutput messages", len(session))

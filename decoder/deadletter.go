@@ -16,6 +16,7 @@ const (
 	HeaderRowID            = "Jetbox-Row-Id"             // the row's id as it was (escaped)
 	HeaderOriginalSubject  = "Jetbox-Original-Subject"   // the subject the row would have had
 	HeaderTable            = "Jetbox-Table"
+	HeaderMessagePrefix    = "Jetbox-Message-Prefix"   // instead of Jetbox-Table, for a logical decoding message
 	HeaderOriginalHeaders  = "Jetbox-Original-Headers" // the headers column as it was (escaped)
 	HeaderPayloadOmitted   = "Jetbox-Payload-Omitted"  // "true" when the payload did not fit
 	HeaderPayloadSize      = "Jetbox-Payload-Size"
@@ -44,12 +45,22 @@ func (c Config) DeadLetter(ev *Event, cause *InvalidEventError) Event {
 		Source:        ev.Source,
 		DeadLetter:    cause,
 	}
+	orig := ev.Subject // set when the subject was not the problem
+	if orig == "" {
+		orig = c.SubjectPrefix + "." + ev.AggregateType + "." + ev.EventType
+	}
 	base := []Header{
 		{HeaderDeadLetterError, escape(cause.Error(), 1024)},
 		{HeaderDeadLetterReason, cause.Code},
-		{HeaderOriginalSubject, escape(c.SubjectPrefix+"."+ev.AggregateType+"."+ev.EventType, 512)},
+		{HeaderOriginalSubject, escape(orig, 512)},
 		{HeaderRowID, escape(ev.ID, 256)},
-		{HeaderTable, c.Schema + "." + c.Table},
+	}
+	source := map[string]any{"table": c.Schema + "." + c.Table}
+	if ev.messagePrefix != "" {
+		base = append(base, Header{HeaderMessagePrefix, escape(ev.messagePrefix, 256)})
+		source = map[string]any{"message_prefix": ev.messagePrefix}
+	} else {
+		base = append(base, Header{HeaderTable, c.Schema + "." + c.Table})
 	}
 	if ev.rawHeaders != "" {
 		base = append(base, Header{HeaderOriginalHeaders, escape(ev.rawHeaders, 4096)})
@@ -59,9 +70,8 @@ func (c Config) DeadLetter(ev *Event, cause *InvalidEventError) Event {
 	// A too-large row's payload never fits, even when the limit was
 	// lowered after MaxMessageSize was read.
 	if cause.Code == ReasonTooLarge || (c.MaxMessageSize > 0 && dl.WireSize() > c.MaxMessageSize) {
-		ref, _ := json.Marshal(map[string]any{
-			"table": c.Schema + "." + c.Table, "id": ev.ID, "commit_lsn": ev.CommitLSN.String(), "tx_index": ev.TxIndex,
-		})
+		source["id"], source["commit_lsn"], source["tx_index"] = ev.ID, ev.CommitLSN.String(), ev.TxIndex
+		ref, _ := json.Marshal(source)
 		dl.Payload = ref
 		dl.Headers = append(base, Header{HeaderPayloadOmitted, "true"}, Header{HeaderPayloadSize, strconv.Itoa(len(ev.Payload))})
 	}

@@ -58,6 +58,15 @@ type Config struct {
 	// MaxMessageSize is the largest message the server and the stream take
 	// (see Event.WireSize); a larger row is invalid (ReasonTooLarge). 0: no check.
 	MaxMessageSize int
+	// Subjects renders each event's subject (see ParseTemplate); nil:
+	// DefaultSubjectTemplate.
+	Subjects *Template
+	// MessagePrefix, when set, makes transactional logical decoding
+	// messages (pg_logical_emit_message(true, MessagePrefix, envelope))
+	// outbox events, like rows (see DecodeEnvelope). Other prefixes, and
+	// non-transactional messages, publish nothing (Message.Ignored says
+	// why). Empty: messages are not a source (pgoutput sends none then).
+	MessagePrefix string
 }
 
 // Kind says what a decoded message means to the forwarder.
@@ -78,6 +87,9 @@ type Message struct {
 	// EndLSN is the transaction's end LSN (Commit.TransactionEndLSN): the
 	// position to confirm once every event of the transaction is acked.
 	EndLSN pglogrepl.LSN
+	// Ignored is set (with KindNone) on a logical decoding message that
+	// publishes nothing: one of the Ignored* reasons.
+	Ignored string
 }
 
 // Event is one outbox row ready to publish.
@@ -101,6 +113,9 @@ type Event struct {
 	DeadLetter *InvalidEventError
 
 	rawHeaders string // the headers column when it was the problem
+	// messagePrefix is set on an event from a logical decoding message
+	// (the message's prefix); "" for a table row.
+	messagePrefix string
 }
 
 // Header is one user header copied from the row's headers column.
@@ -203,8 +218,13 @@ func (d *Decoder) Decode(data []byte) (msg Message, err error) {
 	case pglogrepl.MessageTypeInsert:
 		return d.decodeInsert(data[1:])
 	case pglogrepl.MessageTypeUpdate, pglogrepl.MessageTypeDelete, pglogrepl.MessageTypeTruncate,
-		pglogrepl.MessageTypeType, pglogrepl.MessageTypeOrigin, pglogrepl.MessageTypeMessage:
+		pglogrepl.MessageTypeType, pglogrepl.MessageTypeOrigin:
 		return Message{}, nil // outbox updates and deletes publish nothing
+	case pglogrepl.MessageTypeMessage:
+		if d.cfg.MessagePrefix == "" {
+			return Message{}, nil // messages are not a source
+		}
+		return d.decodeMessage(data[1:])
 	default:
 		return Message{}, fmt.Errorf("%w: unsupported message type %q (is streaming or two_phase on? jetbox needs both off)", ErrProtocol, data[0])
 	}

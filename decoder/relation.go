@@ -108,7 +108,8 @@ const (
 	ReasonBadID          = "bad-id"           // NULL, empty, with control characters or holding "Nats-"
 	ReasonNullColumn     = "null-column"      // aggregate_type, aggregate_id or event_type is NULL
 	ReasonBadAggregateID = "bad-aggregate-id" // holds control characters (it is sent as a header)
-	ReasonBadSubject     = "bad-subject"      // aggregate_type or event_type is not one subject token
+	ReasonBadSubject     = "bad-subject"      // a value the subject template uses is not one subject token
+	ReasonBadEnvelope    = "bad-envelope"     // a logical decoding message that is not a valid envelope
 	ReasonNullPayload    = "null-payload"
 	ReasonBadPayload     = "bad-payload"  // a value in a form jetbox cannot read
 	ReasonBadHeaders     = "bad-headers"  // not a JSON object of string values, or reserved names
@@ -131,6 +132,9 @@ type InvalidEventError struct {
 	Column  string
 	Reason  string
 	Hint    string // what the operator or the producer should do
+	// Message: the event came from a logical decoding message (an
+	// envelope, see DecodeEnvelope), not a table row.
+	Message bool
 }
 
 func (e *InvalidEventError) Error() string {
@@ -138,7 +142,11 @@ func (e *InvalidEventError) Error() string {
 	if id == "" {
 		id = "(none)"
 	}
-	s := fmt.Sprintf("outbox row id=%s in transaction %s (row %d): %s", id, e.LSN, e.TxIndex, e.Reason)
+	what := "row"
+	if e.Message {
+		what = "message"
+	}
+	s := fmt.Sprintf("outbox %s id=%s in transaction %s (row %d): %s", what, id, e.LSN, e.TxIndex, e.Reason)
 	if e.Hint != "" {
 		s += ": " + e.Hint
 	}
@@ -217,9 +225,12 @@ func (r *relation) check(ev *Event, cols []column, cfg *Config) *InvalidEventErr
 				"it is sent as a header, and NATS servers before 2.11 find their own headers by text search: it could hide Nats-Msg-Id (no dedup) or the order guard")
 		}
 	}
-	subject, serr := Subject(cfg.SubjectPrefix, ev.AggregateType, ev.EventType)
+	subject, serr := cfg.subject(ev)
 	if serr != nil {
-		return invalid(ReasonBadSubject, "", serr.Error(), "aggregate_type and event_type must each be one NATS subject token: no spaces, '.', '*', '>' or control characters")
+		if cfg.Subjects == nil {
+			return invalid(ReasonBadSubject, "", serr.Error(), "aggregate_type and event_type must each be one NATS subject token: no spaces, '.', '*', '>' or control characters")
+		}
+		return invalid(ReasonBadSubject, "", serr.Error(), "every value the subject template "+cfg.Subjects.String()+" uses must be one NATS subject token: no spaces, '.', '*', '>' or control characters")
 	}
 	if dl := cfg.DeadLetterSubject; dl != "" && strings.HasPrefix(subject, dl+".") {
 		return invalid(ReasonBadSubject, "", fmt.Sprintf("subject %s is inside the dead-letter subjects %s.>", subject, dl), "use another aggregate_type, or another --dead-letter-subject")

@@ -24,6 +24,17 @@ func Subject(prefix, aggregateType, eventType string) (string, error) {
 	return prefix + "." + aggregateType + "." + eventType, nil
 }
 
+// subject renders ev's subject with the configured template.
+func (c *Config) subject(ev *Event) (string, error) {
+	if c.Subjects == nil {
+		return Subject(c.SubjectPrefix, ev.AggregateType, ev.EventType)
+	}
+	if err := ValidPrefix(c.SubjectPrefix); err != nil {
+		return "", err
+	}
+	return c.Subjects.Render(c.SubjectPrefix, ev)
+}
+
 // ValidPrefix checks a subject prefix: one or more dot-separated tokens.
 func ValidPrefix(prefix string) error {
 	if prefix == "" {

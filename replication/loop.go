@@ -140,6 +140,10 @@ func (l *loop) handle(ctx context.Context, data []byte) error {
 			l.sess.EndTransaction()
 			l.txLSN = 0
 			l.s.cfg.Metrics.Transactions.Inc()
+		case decoder.KindNone:
+			if msg.Ignored != "" {
+				l.s.cfg.Metrics.IgnoredMessages.WithLabelValues(msg.Ignored).Inc()
+			}
 		}
 		return nil
 	default:

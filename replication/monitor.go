@@ -8,10 +8,11 @@ import (
 
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
+	"github.com/jetbox-dev/jetbox/decoder"
 )
 
 // HeartbeatPrefix is the logical message prefix of jetbox's heartbeats.
-const HeartbeatPrefix = "jetbox-heartbeat"
+const HeartbeatPrefix = decoder.HeartbeatPrefix
 
 // SlotStats is what the monitor last read about the slot.
 type SlotStats struct {
@@ -160,6 +161,9 @@ func (m *monitor) checkPublication(ctx context.Context, conn *pgx.Conn) {
 		m.fail(fmt.Errorf("monitor publication query: %w", err))
 		return
 	}
+	if !cfg.hasTable() { // --source=messages: only the publication must exist
+		published, inserts, tableExists = true, true, true
+	}
 	since := m.published
 	start := m.s.startOID.Load()
 	replaced := start != 0 && oid != 0 && oid != start
@@ -175,6 +179,9 @@ func (m *monitor) checkPublication(ctx context.Context, conn *pgx.Conn) {
 		return
 	}
 	create := fmt.Sprintf("CREATE PUBLICATION %s FOR TABLE %s WITH (publish = 'insert')", quoteIdent(cfg.Publication), cfg.quotedTable())
+	if !cfg.hasTable() {
+		create = "CREATE PUBLICATION " + quoteIdent(cfg.Publication)
+	}
 	var what, fix string
 	switch {
 	case !pubExists:

@@ -51,6 +51,9 @@ func (s *Streamer) session(ctx context.Context) (err error) {
 		return fmt.Errorf("open publishing session: %w", err)
 	}
 	args := []string{"proto_version '1'", "publication_names " + quoteLiteral(quoteIdent(s.cfg.Publication))}
+	if s.cfg.Decoder.MessagePrefix != "" {
+		args = append(args, "messages 'true'") // PostgreSQL 14+ (checked by Check)
+	}
 	// Start at 0/0: the server resumes from the slot's confirmed_flush_lsn.
 	if err := pglogrepl.StartReplication(sctx, conn, quoteIdent(s.cfg.Slot), 0,
 		pglogrepl.StartReplicationOptions{Mode: pglogrepl.LogicalReplication, PluginArgs: args}); err != nil {
@@ -84,6 +87,9 @@ func (s *Streamer) session(ctx context.Context) (err error) {
 // read at, for the decoders and the monitor; a later session that finds
 // another OID stops jetbox: the table was dropped and recreated meanwhile.
 func (s *Streamer) checkOutboxOID(ctx context.Context, conn *pgconn.PgConn) error {
+	if !s.cfg.hasTable() {
+		return nil
+	}
 	table := s.cfg.quotedTable()
 	res, err := conn.Exec(ctx, "SELECT coalesce(to_regclass("+quoteLiteral(table)+")::oid, 0)::text, pg_current_wal_lsn()::text").ReadAll()
 	if err != nil {

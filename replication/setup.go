@@ -29,6 +29,7 @@ func Check(ctx context.Context, connString string, cfg Config) ([]check.Finding,
 	var l check.List
 	c := &checker{ctx: ctx, conn: conn, cfg: cfg, l: &l}
 	c.server()
+	c.messages()
 	tableOK := c.table()
 	pubExists := c.publication(tableOK)
 	c.slot(pubExists)
@@ -129,7 +130,40 @@ func (c *checker) slotExists() bool {
 	return n > 0
 }
 
+// hasTable reports whether the source includes the outbox table (not with
+// --source=messages, whose decoder has no table).
+func (c Config) hasTable() bool { return c.Decoder.Table != "" }
+
+// messages checks what the messages source needs: PostgreSQL 14+ (the
+// pgoutput messages option).
+func (c *checker) messages() {
+	if c.cfg.Decoder.MessagePrefix == "" {
+		return
+	}
+	var num int
+	if err := c.conn.QueryRow(c.ctx, "SELECT current_setting('server_version_num')::int").Scan(&num); err != nil {
+		c.fail("postgres.messages", err)
+		return
+	}
+	if num < 140000 {
+		c.l.Add(check.Error, "postgres.messages", fmt.Sprintf("the messages source needs PostgreSQL 14 or later (pgoutput's messages option); the server is %d", num/10000),
+			"upgrade Postgres, or use --source=table")
+		return
+	}
+	c.l.Add(check.Info, "postgres.messages", fmt.Sprintf("outbox messages: pg_logical_emit_message(true, %q, envelope) inside a transaction (see docs/routing.md)", c.cfg.Decoder.MessagePrefix), "")
+}
+
 func (c *checker) table() bool {
+	if !c.cfg.hasTable() {
+		var create bool
+		if err := c.conn.QueryRow(c.ctx, "SELECT has_database_privilege(current_database(), 'CREATE')").Scan(&create); err != nil {
+			c.fail("postgres.table", err)
+			return false
+		}
+		c.ownsTable = create || c.superuser
+		c.l.Add(check.Info, "postgres.table", "--source=messages: no outbox table (the publication needs none)", "")
+		return true
+	}
 	name := c.cfg.qualifiedTable()
 	var persistence, kind string
 	var owner bool
@@ -182,6 +216,9 @@ func (c *checker) table() bool {
 }
 
 func (c *checker) publicationSQL() string {
+	if !c.cfg.hasTable() {
+		return fmt.Sprintf("CREATE PUBLICATION %s", pgx.Identifier{c.cfg.Publication}.Sanitize())
+	}
 	return fmt.Sprintf("CREATE PUBLICATION %s FOR TABLE %s WITH (publish = 'insert', publish_via_partition_root = true)",
 		pgx.Identifier{c.cfg.Publication}.Sanitize(), c.cfg.quotedTable())
 }
@@ -197,7 +234,7 @@ func (c *checker) publication(tableOK bool) bool {
 		case c.ownsTable:
 			c.l.Add(check.Create, "postgres.publication", fmt.Sprintf("publication %q is missing: jetbox run creates it (%s)", c.cfg.Publication, c.publicationSQL()), "")
 		default:
-			c.l.Add(check.Error, "postgres.publication", fmt.Sprintf("publication %q is missing and this role cannot create it (it does not own the table)", c.cfg.Publication),
+			c.l.Add(check.Error, "postgres.publication", fmt.Sprintf("publication %q is missing and this role cannot create it (it does not own the table, or, with no table, may not create in the database)", c.cfg.Publication),
 				"run as an administrator: "+c.publicationSQL())
 		}
 		return false
@@ -206,9 +243,13 @@ func (c *checker) publication(tableOK bool) bool {
 		c.fail("postgres.publication", err)
 		return false
 	}
-	if !insert {
+	if !insert && c.cfg.hasTable() {
 		c.l.Add(check.Error, "postgres.publication", fmt.Sprintf("publication %q does not publish inserts", c.cfg.Publication),
 			fmt.Sprintf("ALTER PUBLICATION %s SET (publish = 'insert')", pub))
+	}
+	if !c.cfg.hasTable() {
+		c.l.Add(check.Info, "postgres.publication", fmt.Sprintf("publication %q exists (messages need no table in it)", c.cfg.Publication), "")
+		return true
 	}
 	var n int
 	if err := c.conn.QueryRow(c.ctx, "SELECT count(*) FROM pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3",
@@ -292,7 +333,11 @@ func Ensure(ctx context.Context, connString string, cfg Config, log zerolog.Logg
 		if _, err := conn.Exec(ctx, c.publicationSQL()); err != nil && !isDuplicate(err) { // another instance won the race
 			return fmt.Errorf("create publication %q: %w", cfg.Publication, err)
 		}
-		log.Info().Str("publication", cfg.Publication).Str("table", cfg.qualifiedTable()).Msg("created publication")
+		ev := log.Info().Str("publication", cfg.Publication)
+		if cfg.hasTable() {
+			ev = ev.Str("table", cfg.qualifiedTable())
+		}
+		ev.Msg("created publication")
 	}
 	if err := conn.QueryRow(ctx, "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1", cfg.Slot).Scan(&n); err != nil {
 		return fmt.Errorf("look up slot %q: %w", cfg.Slot, err)

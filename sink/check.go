@@ -53,6 +53,11 @@ func (p *Publisher) Check(ctx context.Context, maxOutage time.Duration) []check.
 	} else {
 		l.Add(check.Info, "nats.stream", fmt.Sprintf("stream %q captures %q (%d messages)", p.cfg.Stream, want, s.CachedInfo().State.Msgs), "")
 	}
+	// Every template subject is under <prefix>.> (the template starts with
+	// {prefix}), so the check above covers them; say so when it passed.
+	if f := p.cfg.SubjectFilter; f != "" && Captures(cfg.Subjects, want) && Captures(cfg.Subjects, f) {
+		l.Add(check.Info, "nats.subjects", fmt.Sprintf("stream %q captures every subject the subject template produces (%s)", p.cfg.Stream, f), "")
+	}
 	if dl := p.cfg.DeadLetterSubject + ".>"; p.cfg.DeadLetterSubject != "" {
 		if Captures(cfg.Subjects, dl) {
 			l.Add(check.Info, "nats.dead_letter", fmt.Sprintf("dead letters go to %s, in stream %q", dl, p.cfg.Stream), "")

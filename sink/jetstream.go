@@ -42,8 +42,11 @@ import (
 
 // Config configures publishing.
 type Config struct {
-	Stream          string        // stream name, e.g. "OUTBOX"
-	SubjectPrefix   string        // subjects are "<prefix>.>"
+	Stream        string // stream name, e.g. "OUTBOX"
+	SubjectPrefix string // subjects are "<prefix>.>"
+	// SubjectFilter matches every subject the subject template produces
+	// (decoder.Template.Filter, under SubjectPrefix); check reports it.
+	SubjectFilter   string
 	DuplicateWindow time.Duration // for a stream jetbox creates
 	PublishTimeout  time.Duration // how long to wait for one PubAck
 	MaxPending      int           // async publishes in flight (the tracker's window)

@@ -63,26 +63,30 @@ func durationText(d time.Duration) string {
 // Values are taken as strings and validated together by Config, so one run
 // reports every mistake at once.
 type RunFlags struct {
-	PostgresURL   string `name:"postgres-url" env:"JETBOX_POSTGRES_URL" help:"Postgres libpq URL or DSN (PG* variables and sslmode work). Required." placeholder:"URL"`
-	NatsURL       string `name:"nats-url" env:"JETBOX_NATS_URL" default:"${default_nats_url}" help:"NATS server URL(s), comma-separated."`
-	NatsContext   string `name:"nats-context" env:"JETBOX_NATS_CONTEXT" help:"A nats CLI context (its name, or the path of its file) for the NATS URL, credentials and TLS; the --nats-* flags given override it." placeholder:"NAME"`
-	NatsStoreDir  string `name:"nats-store-dir" env:"JETBOX_NATS_STORE_DIR" help:"With --nats-url=embedded: the JetStream store directory (required)." placeholder:"DIR"`
-	NatsListen    string `name:"nats-listen" env:"JETBOX_NATS_LISTEN" default:"127.0.0.1:4222" help:"With --nats-url=embedded: where the embedded server listens for consumers."`
-	NatsCreds     string `name:"nats-creds" env:"JETBOX_NATS_CREDS" help:"NATS credentials file (JWT + NKey)." placeholder:"FILE"`
-	NatsNKey      string `name:"nats-nkey" env:"JETBOX_NATS_NKEY" help:"NATS NKey seed file." placeholder:"FILE"`
-	NatsUser      string `name:"nats-user" env:"JETBOX_NATS_USER" help:"NATS user (with --nats-password)."`
-	NatsPassword  string `name:"nats-password" env:"JETBOX_NATS_PASSWORD" help:"NATS password."`
-	NatsToken     string `name:"nats-token" env:"JETBOX_NATS_TOKEN" help:"NATS token."`
-	NatsTLSCA     string `name:"nats-tls-ca" env:"JETBOX_NATS_TLS_CA" help:"CA certificate(s) to verify the NATS server, PEM." placeholder:"FILE"`
-	NatsTLSCert   string `name:"nats-tls-cert" env:"JETBOX_NATS_TLS_CERT" help:"Client certificate for NATS, PEM (with --nats-tls-key)." placeholder:"FILE"`
-	NatsTLSKey    string `name:"nats-tls-key" env:"JETBOX_NATS_TLS_KEY" help:"Client key for NATS, PEM." placeholder:"FILE"`
-	Table         string `name:"table" env:"JETBOX_TABLE" default:"public.outbox" help:"Outbox table, schema.name."`
-	Slot          string `name:"slot" env:"JETBOX_SLOT" default:"jetbox" help:"Logical replication slot (created if missing)."`
-	Publication   string `name:"publication" env:"JETBOX_PUBLICATION" default:"jetbox" help:"Publication (created if missing)."`
-	Stream        string `name:"stream" env:"JETBOX_STREAM" default:"OUTBOX" help:"JetStream stream (created if missing)."`
-	SubjectPrefix string `name:"subject-prefix" env:"JETBOX_SUBJECT_PREFIX" default:"outbox" help:"Subjects are <prefix>.<aggregate_type>.<event_type>."`
-	HTTPAddr      string `name:"http-addr" env:"JETBOX_HTTP_ADDR" default:"127.0.0.1:8080" help:"Address for /metrics, /healthz and /readyz; empty disables."`
-	PprofAddr     string `name:"pprof-addr" env:"JETBOX_PPROF_ADDR" help:"Serve Go's net/http/pprof on this address, for profiling (no authentication: never expose it); empty disables."`
+	PostgresURL     string `name:"postgres-url" env:"JETBOX_POSTGRES_URL" help:"Postgres libpq URL or DSN (PG* variables and sslmode work). Required." placeholder:"URL"`
+	NatsURL         string `name:"nats-url" env:"JETBOX_NATS_URL" default:"${default_nats_url}" help:"NATS server URL(s), comma-separated."`
+	NatsContext     string `name:"nats-context" env:"JETBOX_NATS_CONTEXT" help:"A nats CLI context (its name, or the path of its file) for the NATS URL, credentials and TLS; the --nats-* flags given override it." placeholder:"NAME"`
+	NatsStoreDir    string `name:"nats-store-dir" env:"JETBOX_NATS_STORE_DIR" help:"With --nats-url=embedded: the JetStream store directory (required)." placeholder:"DIR"`
+	NatsListen      string `name:"nats-listen" env:"JETBOX_NATS_LISTEN" default:"127.0.0.1:4222" help:"With --nats-url=embedded: where the embedded server listens for consumers."`
+	NatsCreds       string `name:"nats-creds" env:"JETBOX_NATS_CREDS" help:"NATS credentials file (JWT + NKey)." placeholder:"FILE"`
+	NatsNKey        string `name:"nats-nkey" env:"JETBOX_NATS_NKEY" help:"NATS NKey seed file." placeholder:"FILE"`
+	NatsUser        string `name:"nats-user" env:"JETBOX_NATS_USER" help:"NATS user (with --nats-password)."`
+	NatsPassword    string `name:"nats-password" env:"JETBOX_NATS_PASSWORD" help:"NATS password."`
+	NatsToken       string `name:"nats-token" env:"JETBOX_NATS_TOKEN" help:"NATS token."`
+	NatsTLSCA       string `name:"nats-tls-ca" env:"JETBOX_NATS_TLS_CA" help:"CA certificate(s) to verify the NATS server, PEM." placeholder:"FILE"`
+	NatsTLSCert     string `name:"nats-tls-cert" env:"JETBOX_NATS_TLS_CERT" help:"Client certificate for NATS, PEM (with --nats-tls-key)." placeholder:"FILE"`
+	NatsTLSKey      string `name:"nats-tls-key" env:"JETBOX_NATS_TLS_KEY" help:"Client key for NATS, PEM." placeholder:"FILE"`
+	Table           string `name:"table" env:"JETBOX_TABLE" default:"public.outbox" help:"Outbox table, schema.name."`
+	Slot            string `name:"slot" env:"JETBOX_SLOT" default:"jetbox" help:"Logical replication slot (created if missing)."`
+	Publication     string `name:"publication" env:"JETBOX_PUBLICATION" default:"jetbox" help:"Publication (created if missing)."`
+	Stream          string `name:"stream" env:"JETBOX_STREAM" default:"OUTBOX" help:"JetStream stream (created if missing)."`
+	SubjectPrefix   string `name:"subject-prefix" env:"JETBOX_SUBJECT_PREFIX" default:"outbox" help:"Subjects are <prefix>.<aggregate_type>.<event_type> (see --subject-template)."`
+	Source          string `name:"source" env:"JETBOX_SOURCE" default:"table" help:"Where outbox events come from: table (rows of --table), messages (pg_logical_emit_message(true, <message-prefix>, envelope): no table; PostgreSQL 14+), or table,messages (see docs/routing.md)."`
+	MessagePrefix   string `name:"message-prefix" env:"JETBOX_MESSAGE_PREFIX" default:"jetbox" help:"With --source including messages: the logical decoding message prefix of outbox events; other prefixes are ignored."`
+	SubjectTemplate string `name:"subject-template" env:"JETBOX_SUBJECT_TEMPLATE" default:"{prefix}.{aggregate_type}.{event_type}" help:"Subject of each event: {prefix} first, then tokens made of literals and {aggregate_type}, {aggregate_id}, {event_type}, {partition} (see docs/routing.md)."`
+	Partitions      string `name:"partitions" env:"JETBOX_PARTITIONS" default:"0" help:"N for {partition}: FNV-1a 32 of aggregate_id modulo N (the same as a stream transform's partition()); 0: none. {partition} needs 1 or more."`
+	HTTPAddr        string `name:"http-addr" env:"JETBOX_HTTP_ADDR" default:"127.0.0.1:8080" help:"Address for /metrics, /healthz and /readyz; empty disables."`
+	PprofAddr       string `name:"pprof-addr" env:"JETBOX_PPROF_ADDR" help:"Serve Go's net/http/pprof on this address, for profiling (no authentication: never expose it); empty disables."`
 
 	IDColumn            string `name:"id-column" env:"JETBOX_ID_COLUMN" default:"${default_id_column}" help:"Row id column (uuid or text): Nats-Msg-Id."`
 	AggregateTypeColumn string `name:"aggregate-type-column" env:"JETBOX_AGGREGATE_TYPE_COLUMN" default:"${default_aggregate_type_column}" help:"Aggregate type column (text)."`
@@ -265,6 +269,46 @@ func (f *RunFlags) Config() (Config, error) {
 	if err := decoder.ValidPrefix(f.SubjectPrefix); err != nil {
 		bad("subject-prefix", f.SubjectPrefix, err.Error(), "use dot-separated tokens without spaces or wildcards, e.g. outbox or acme.outbox")
 	}
+	fromTable, fromMessages := false, false
+	for _, src := range strings.Split(f.Source, ",") {
+		switch strings.TrimSpace(src) {
+		case "table":
+			if fromTable {
+				bad("source", f.Source, "table is given twice", "use table, messages or table,messages")
+			}
+			fromTable = true
+		case "messages":
+			if fromMessages {
+				bad("source", f.Source, "messages is given twice", "use table, messages or table,messages")
+			}
+			fromMessages = true
+		default:
+			bad("source", f.Source, fmt.Sprintf("unknown source %q", strings.TrimSpace(src)), "use table, messages or table,messages")
+		}
+	}
+	messagePrefix := ""
+	if fromMessages {
+		messagePrefix = f.MessagePrefix
+		switch f.MessagePrefix {
+		case "":
+			bad("message-prefix", "", "empty", "use e.g. jetbox (the default)")
+		case decoder.HeartbeatPrefix:
+			bad("message-prefix", f.MessagePrefix, "the prefix of jetbox's own heartbeats", "use another prefix, e.g. jetbox (the default)")
+		}
+	}
+	partitions, err := strconv.Atoi(f.Partitions)
+	var subjects *decoder.Template
+	if err != nil || partitions < 0 || partitions > 100000 {
+		bad("partitions", f.Partitions, "not a count between 0 and 100000", "use 0 (no {partition}) or e.g. 16")
+	} else if tpl, err := decoder.ParseTemplate(f.SubjectTemplate, partitions); err != nil {
+		flag, value := "subject-template", f.SubjectTemplate
+		if partitions > 0 && !strings.Contains(f.SubjectTemplate, decoder.TokenPartition) {
+			flag, value = "partitions", f.Partitions
+		}
+		bad(flag, value, err.Error(), "write tokens separated by '.', {prefix} first, e.g. {prefix}.{aggregate_type}.{partition}.{event_type} with --partitions=16 (see docs/routing.md)")
+	} else if f.SubjectTemplate != decoder.DefaultSubjectTemplate {
+		subjects = tpl // nil keeps the historical subject code and hints
+	}
 	cols := decoder.Columns{ID: f.IDColumn, AggregateType: f.AggregateTypeColumn, AggregateID: f.AggregateIDColumn,
 		EventType: f.EventTypeColumn, Payload: f.PayloadColumn, Headers: f.HeadersColumn}
 	seen := map[string]string{}
@@ -359,9 +403,17 @@ func (f *RunFlags) Config() (Config, error) {
 		return Config{}, errors.Join(errs...)
 	}
 
+	if !fromTable {
+		schema, table = "", "" // no table: the decoder publishes no rows
+	}
+	filter := f.SubjectPrefix + ".*.*" // the default template's subjects
+	if subjects != nil {
+		filter = subjects.Filter(f.SubjectPrefix)
+	}
 	c.Replication = replication.Config{
 		Slot: f.Slot, Publication: f.Publication,
-		Decoder:           decoder.Config{Schema: schema, Table: table, Columns: cols, SubjectPrefix: f.SubjectPrefix, DeadLetterSubject: deadLetter},
+		Decoder: decoder.Config{Schema: schema, Table: table, Columns: cols, SubjectPrefix: f.SubjectPrefix, DeadLetterSubject: deadLetter,
+			Subjects: subjects, MessagePrefix: messagePrefix},
 		StatusInterval:    statusInterval,
 		Timeout:           pgTimeout,
 		MaxInFlight:       maxInFlight,
@@ -375,7 +427,7 @@ func (f *RunFlags) Config() (Config, error) {
 	}
 	c.Sink = sink.Config{Stream: f.Stream, SubjectPrefix: f.SubjectPrefix, DuplicateWindow: dupWindow,
 		PublishTimeout: publishTimeout, MaxPending: maxInFlight, OrderGuard: orderGuard, ExactlyOnce: f.Delivery == "exactly-once", DeadLetterSubject: deadLetter,
-		AtomicTransactions: atomicTx}
+		AtomicTransactions: atomicTx, SubjectFilter: filter}
 	c.LogLevel, c.LogConsole = level, f.LogFormat == "console"
 	return c, nil
 }

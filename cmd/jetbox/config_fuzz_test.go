@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/jetbox-dev/jetbox/decoder"
+	"github.com/jetbox-dev/jetbox/sink"
 )
 
 // FuzzConfig: any command line (one argument per line; a line
@@ -27,6 +28,9 @@ func FuzzConfig(f *testing.F) {
 		"JETBOX_POSTGRES_URL=postgres://u@h/db\nJETBOX_DELIVERY=exactly-once\n--atomic-transactions=true",
 		"JETBOX_MONITOR_INTERVAL=1ms\nJETBOX_ON_INVALID=dead-letter\n--dead-letter-subject=x",
 		"--postgres-url=postgres://u@h/db\n--nats-context=nosuch\n--nats-token=x",
+		"--postgres-url=postgres://u@h/db\n--source=table,messages\n--subject-template={prefix}.{aggregate_type}.{partition}.{event_type}\n--partitions=4",
+		"--postgres-url=postgres://u@h/db\n--source=messages,messages\n--message-prefix=jetbox-heartbeat\n--subject-template={aggregate_type}\n--partitions=x",
+		"JETBOX_POSTGRES_URL=postgres://u@h/db\nJETBOX_SOURCE=messages\nJETBOX_PARTITIONS=3",
 		"--help",
 	} {
 		f.Add(seed)
@@ -83,6 +87,12 @@ func FuzzConfig(f *testing.F) {
 		}
 		if dl := r.Decoder.DeadLetterSubject; dl != s.DeadLetterSubject || (dl != "" && decoder.ValidPrefix(dl) != nil) {
 			t.Fatalf("dead-letter subject %q / %q", dl, s.DeadLetterSubject)
+		}
+		if tpl := r.Decoder.Subjects; tpl != nil && !sink.Captures([]string{s.SubjectPrefix + ".>"}, s.SubjectFilter) {
+			t.Fatalf("template %s produces subjects outside %s.>", tpl, s.SubjectPrefix)
+		}
+		if r.Decoder.MessagePrefix == decoder.HeartbeatPrefix || (r.Decoder.MessagePrefix == "" && r.Decoder.Table == "") {
+			t.Fatalf("source: table %q, message prefix %q", r.Decoder.Table, r.Decoder.MessagePrefix)
 		}
 		if s.ExactlyOnce && !s.OrderGuard {
 			t.Fatal("exactly-once accepted without the order guard")

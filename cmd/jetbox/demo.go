@@ -32,14 +32,30 @@ type demoCmd struct {
 // outboxDDL is the default outbox contract (the README's DDL).
 const outboxDDL = decoder.OutboxDDL
 
-// demoSchema is the demo's business table and the outbox.
+// emitFunctionDDL is jetbox_emit, the producer side of the messages
+// source (docs/routing.md): one call emits one outbox event as a
+// transactional logical decoding message, and no table grows.
+const emitFunctionDDL = `CREATE FUNCTION jetbox_emit(aggregate_type text, aggregate_id text, event_type text,
+                            payload jsonb, headers jsonb DEFAULT NULL)
+RETURNS uuid LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+  event_id uuid := gen_random_uuid();
+BEGIN
+  PERFORM pg_logical_emit_message(true, 'jetbox', jsonb_build_object(
+    'id', event_id, 'aggregate_type', aggregate_type, 'aggregate_id', aggregate_id,
+    'event_type', event_type, 'payload', payload, 'headers', headers)::text);
+  RETURN event_id;
+END
+$$`
+
+// demoSchema is the demo's business table, the outbox and jetbox_emit.
 const demoSchema = `CREATE TABLE orders (
   id       bigserial   PRIMARY KEY,
   customer text        NOT NULL,
   total    numeric     NOT NULL,
   placed   timestamptz NOT NULL DEFAULT now()
 );
-` + outboxDDL
+` + outboxDDL + ";\n" + emitFunctionDDL
 
 // demoOrder writes a business row and its outbox row in one transaction.
 const demoOrder = `WITH o AS (
@@ -48,6 +64,15 @@ const demoOrder = `WITH o AS (
 INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers)
 SELECT 'order', o.id::text, 'OrderPlaced', jsonb_build_object('order_id', o.id, 'customer', o.customer, 'total', o.total),
        jsonb_build_object('traceparent', '00-' || md5(o.id::text) || '-' || substr(md5(o.customer), 1, 16) || '-01')
+FROM o`
+
+// demoOrderMessage writes a business row and emits its event with
+// jetbox_emit in one transaction: the same event, no outbox row.
+const demoOrderMessage = `WITH o AS (
+  INSERT INTO orders (customer, total) VALUES ($1, $2) RETURNING id, customer, total
+)
+SELECT jetbox_emit('order', o.id::text, 'OrderPlaced', jsonb_build_object('order_id', o.id, 'customer', o.customer, 'total', o.total),
+       jsonb_build_object('traceparent', '00-' || md5(o.id::text) || '-' || substr(md5(o.customer), 1, 16) || '-01'))
 FROM o`
 
 func (d *demoCmd) run(ctx context.Context, stdout, stderr io.Writer) int {
@@ -109,7 +134,7 @@ func (d *demoCmd) run(ctx context.Context, stdout, stderr io.Writer) int {
 		var k *kong.Kong
 		if k, err = kong.New(&c, kong.Name("jetbox"), kong.Vars(flagVars)); err == nil {
 			_, err = k.Parse([]string{"run", "--postgres-url=" + cluster.DSN, "--nats-url=" + natsURL,
-				"--http-addr=" + httpAddr, "--duplicate-window=10m", "--log-format=console", "--log-level=warn"})
+				"--http-addr=" + httpAddr, "--duplicate-window=10m", "--log-format=console", "--log-level=warn", "--source=table,messages"})
 		}
 	}
 	if err != nil {
@@ -169,10 +194,14 @@ func (d *demoCmd) run(ctx context.Context, stdout, stderr io.Writer) int {
 	}
 	defer cc.Stop()
 
-	say("\nWriting %d sample orders (business row + outbox row in one transaction); each arrives from a JetStream consumer:\n", d.Orders)
+	say("\nWriting %d sample orders, each a business row and its event in one transaction: even ones with an outbox row,\nodd ones with SELECT jetbox_emit(...) (a logical decoding message, no table); each arrives from a JetStream consumer:\n", d.Orders)
 	customers := []string{"ada", "grace", "linus", "barbara", "ken", "margaret"}
 	for i := 0; i < d.Orders; i++ {
-		if _, err := conn.Exec(ctx, demoOrder, customers[i%len(customers)], 10+7*i); err != nil {
+		producer := demoOrder
+		if i%2 == 1 {
+			producer = demoOrderMessage
+		}
+		if _, err := conn.Exec(ctx, producer, customers[i%len(customers)], 10+7*i); err != nil {
 			if ctx.Err() != nil {
 				return exitOK
 			}
@@ -201,6 +230,7 @@ func (d *demoCmd) run(ctx context.Context, stdout, stderr io.Writer) int {
 	printMu.Lock()
 	say("\nAll %d events arrived. Try next, in another terminal:", d.Orders)
 	say("  psql %q -c \"INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) VALUES ('order', '42', 'OrderShipped', '{\\\"carrier\\\": \\\"ups\\\"}')\"", cluster.DSN)
+	say("  psql %q -c \"SELECT jetbox_emit('order', '42', 'OrderDelivered', '{}')\"", cluster.DSN)
 	say("  nats --server %s sub 'outbox.>'          # live, as jetbox publishes", natsURL)
 	say("  nats --server %s stream view OUTBOX      # everything stored", natsURL)
 	say("  (nats is the NATS CLI: go install github.com/nats-io/natscli/nats@v0.5.0)")

@@ -58,9 +58,13 @@ func (f *fixture) startLoad(writers int, pace time.Duration, maxTxns int) *load 
 				// Not ctx: a cancelled statement may still commit on the
 				// server after the client gave up, after the oracle was read.
 				sctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-				_, err := conn.Exec(sctx, `INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
-					SELECT 'order', $1, 'OrderCreated', jsonb_build_object('writer', $2::int, 'n', g) FROM generate_series(1, $3) g`,
-					fmt.Sprintf("w%d", w), w, n)
+				insert := `INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+					SELECT 'order', $1, 'OrderCreated', jsonb_build_object('writer', $2::int, 'n', g) FROM generate_series(1, $3) g`
+				if testMixedSource() { // the rows, then a message, in one transaction
+					insert = `WITH r AS (` + insert + ` RETURNING 1)
+					SELECT jetbox_emit('order', $1, 'OrderCreated', jsonb_build_object('writer', $2::int, 'message', true)) FROM (SELECT count(*) FROM r) c`
+				}
+				_, err := conn.Exec(sctx, insert, fmt.Sprintf("w%d", w), w, n)
 				cancel()
 				if err != nil {
 					l.fail(err)

@@ -43,3 +43,15 @@ func TestREADMEConfigTable(t *testing.T) {
 		}
 	}
 }
+
+// TestRoutingDocFunction keeps docs/routing.md's jetbox_emit equal to the
+// one the demo and the tests use.
+func TestRoutingDocFunction(t *testing.T) {
+	doc, err := os.ReadFile("../../docs/routing.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(doc), emitFunctionDDL) {
+		t.Error("docs/routing.md's jetbox_emit differs from the one the demo and the tests use")
+	}
+}

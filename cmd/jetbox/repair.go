@@ -55,6 +55,11 @@ func (c *repairCmd) run(ctx context.Context, stdout, stderr io.Writer) int {
 			errs = append(errs, &ConfigError{Flag: "all", Env: "JETBOX_REPAIR_ALL", Problem: "--all and --since exclude each other", Hint: "give one of them"})
 		}
 	}
+	if cfg.Replication.Slot != "" && cfg.Replication.Decoder.Table == "" { // a valid configuration without a table
+		// Messages live only in the WAL: nothing is left to re-read once the slot lost it.
+		errs = append(errs, &ConfigError{Flag: "source", Env: "JETBOX_SOURCE", Value: c.Source, Problem: "repair re-publishes rows of the outbox table, and --source=messages has none (a message that the slot lost is gone from Postgres)",
+			Hint: "producers must re-emit the lost events (same ids: the stream dedups those it has); see docs/routing.md"})
+	}
 	if margin, err = time.ParseDuration(c.Margin); err != nil || margin < 0 {
 		errs = append(errs, &ConfigError{Flag: "margin", Env: "JETBOX_REPAIR_MARGIN", Value: c.Margin, Problem: "not a duration ≥ 0", Hint: "use e.g. 10m"})
 	}

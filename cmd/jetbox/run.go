@@ -35,8 +35,17 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 	if cfg.Sink.ExactlyOnce {
 		delivery = "exactly-once"
 	}
-	log.Info().Str("version", version).Str("delivery", delivery).Str("slot", cfg.Replication.Slot).Str("stream", cfg.Sink.Stream).
-		Str("table", cfg.Replication.Decoder.Schema+"."+cfg.Replication.Decoder.Table).Msg("starting")
+	start := log.Info().Str("version", version).Str("delivery", delivery).Str("slot", cfg.Replication.Slot).Str("stream", cfg.Sink.Stream)
+	if d := cfg.Replication.Decoder; d.Table != "" {
+		start = start.Str("table", d.Schema+"."+d.Table)
+	}
+	if d := cfg.Replication.Decoder; d.MessagePrefix != "" {
+		start = start.Str("message_prefix", d.MessagePrefix)
+	}
+	if t := cfg.Replication.Decoder.Subjects; t != nil {
+		start = start.Str("subject_template", t.String()).Int("partitions", t.Partitions())
+	}
+	start.Msg("starting")
 	cfg.Metrics = metrics.New()
 	cfg.Replication.Metrics, cfg.Sink.Metrics = cfg.Metrics, cfg.Metrics
 	ops, err := startOps(cfg.HTTPAddr, cfg.Metrics, log)

@@ -43,6 +43,9 @@ type Metrics struct {
 	// SpansDropped: trace spans lost, per reason: queue_full (the export
 	// queue was full; publishing never waits for it) or export_failed.
 	SpansDropped *prometheus.CounterVec
+	// IgnoredMessages counts logical decoding messages that published
+	// nothing, per reason (decoder.Ignored*).
+	IgnoredMessages *prometheus.CounterVec
 }
 
 // New registers jetbox's metrics (and the Go and process collectors) on a new registry.
@@ -71,9 +74,11 @@ func New() *Metrics {
 			Help: "Outbox rows that could not be published, per reason and action (stop, or dead-letter: published to the dead-letter subject)."}, []string{"reason", "action"}),
 		SpansDropped: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "jetbox_trace_spans_dropped_total",
 			Help: "Trace spans not exported, per reason: queue_full (the export queue was full: publishing never waits for it) or export_failed."}, []string{"reason"}),
+		IgnoredMessages: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "jetbox_messages_ignored_total",
+			Help: "Logical decoding messages that published nothing, per reason: heartbeat, other-prefix, non-transactional (the outbox prefix emitted with transactional=false: a producer bug)."}, []string{"reason"}),
 	}
 	r.MustRegister(m.Published, m.Duplicates, m.PublishErrors, m.Retries, m.InFlight, m.ConfirmedLSN, m.ServerLSN,
-		m.LagBytes, m.RetainedWAL, m.RetainedOver, m.Latency, m.Transactions, m.Reconnects, m.Heartbeats, m.State, m.InvalidRows, m.SpansDropped,
+		m.LagBytes, m.RetainedWAL, m.RetainedOver, m.Latency, m.Transactions, m.Reconnects, m.Heartbeats, m.State, m.InvalidRows, m.SpansDropped, m.IgnoredMessages,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.Reconnects.WithLabelValues("postgres")
 	m.Reconnects.WithLabelValues("nats")

@@ -1,0 +1,75 @@
+package main
+
+import (
+	"bytes"
+	"strings"
+	"testing"
+
+	"github.com/jetbox-dev/jetbox/decoder"
+)
+
+// TestRoutingConfig: --source, --message-prefix, --subject-template and
+// --partitions reach the decoder and the sink, and their mistakes are
+// reported together with the others, each with its fix.
+func TestRoutingConfig(t *testing.T) {
+	f := RunFlags{}
+	parseDefaults(t, &f)
+	f.PostgresURL = "postgres://u@127.0.0.1/db"
+	f.Source, f.SubjectTemplate, f.Partitions = "table, messages", "{prefix}.{aggregate_type}.p{partition}.{event_type}", "8"
+	cfg, err := f.Config()
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := cfg.Replication.Decoder
+	if d.Table != "outbox" || d.MessagePrefix != "jetbox" || d.Subjects == nil || d.Subjects.Partitions() != 8 || cfg.Sink.SubjectFilter != "outbox.*.*.*" {
+		t.Fatalf("decoder %+v, sink filter %q", d, cfg.Sink.SubjectFilter)
+	}
+	f.Source, f.SubjectTemplate, f.Partitions = "messages", decoder.DefaultSubjectTemplate, "0"
+	if cfg, err = f.Config(); err != nil {
+		t.Fatal(err)
+	}
+	if d := cfg.Replication.Decoder; d.Table != "" || d.MessagePrefix != "jetbox" || d.Subjects != nil || cfg.Sink.SubjectFilter != "outbox.*.*" {
+		t.Fatalf("messages only: %+v", d)
+	}
+	f.Source = "table"
+	if cfg, _ = f.Config(); cfg.Replication.Decoder.MessagePrefix != "" {
+		t.Fatal("table source streams messages")
+	}
+
+	var out, errOut bytes.Buffer
+	code := realMain([]string{"run", "--postgres-url=postgres://x@127.0.0.1/db", "--source=table,rows", "--message-prefix=jetbox-heartbeat",
+		"--subject-template={prefix}.{aggregate_type}.{aggregateid}"}, &out, &errOut)
+	for _, want := range []string{`--source (JETBOX_SOURCE) = "table,rows": unknown source "rows"`, "--subject-template (JETBOX_SUBJECT_TEMPLATE)", "unknown placeholder {aggregateid}"} {
+		if code != exitConfig || !strings.Contains(errOut.String(), want) {
+			t.Errorf("exit %d, output lacks %q:\n%s", code, want, errOut.String())
+		}
+	}
+	errOut.Reset()
+	code = realMain([]string{"run", "--postgres-url=postgres://x@127.0.0.1/db", "--source=messages", "--message-prefix=jetbox-heartbeat", "--partitions=4"}, &out, &errOut)
+	for _, want := range []string{"--message-prefix (JETBOX_MESSAGE_PREFIX)", "heartbeats", "--partitions (JETBOX_PARTITIONS)", "has no {partition} token"} {
+		if code != exitConfig || !strings.Contains(errOut.String(), want) {
+			t.Errorf("exit %d, output lacks %q:\n%s", code, want, errOut.String())
+		}
+	}
+	errOut.Reset()
+	code = realMain([]string{"run", "--postgres-url=postgres://x@127.0.0.1/db", "--subject-template={prefix}.{partition}"}, &out, &errOut)
+	if code != exitConfig || !strings.Contains(errOut.String(), "number of partitions is 0") {
+		t.Errorf("{partition} without --partitions: exit %d:\n%s", code, errOut.String())
+	}
+}
+
+// parseDefaults fills f with the flags' defaults, as kong would.
+func parseDefaults(t *testing.T, f *RunFlags) {
+	t.Helper()
+	var c cli
+	exitCode := -1
+	var stderr strings.Builder
+	parser, err := newParser(&c, discard{}, &stderr, &exitCode)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if kctx, code := parseCommand(parser, &exitCode, []string{"run"}, &stderr); kctx == nil {
+		t.Fatalf("parse: exit %d %s", code, stderr.String())
+	}
+	*f = c.Run
+}

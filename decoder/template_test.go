@@ -1,0 +1,149 @@
+package decoder
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+)
+
+func TestParseTemplate(t *testing.T) {
+	good := []struct {
+		text       string
+		partitions int
+		filter     string
+	}{
+		{DefaultSubjectTemplate, 0, "outbox.*.*"},
+		{"{prefix}.{aggregate_type}.{aggregate_id}.{event_type}", 0, "outbox.*.*.*"},
+		{"{prefix}.{aggregate_type}.{partition}.{event_type}", 4, "outbox.*.*.*"},
+		{"{prefix}.v1.{aggregate_type}.p{partition}", 16, "outbox.v1.*.*"},
+		{"{prefix}.events", 0, "outbox.events"},
+	}
+	for _, g := range good {
+		tpl, err := ParseTemplate(g.text, g.partitions)
+		if err != nil {
+			t.Errorf("%s: %v", g.text, err)
+			continue
+		}
+		if f := tpl.Filter("outbox"); f != g.filter {
+			t.Errorf("%s: filter %q, want %q", g.text, f, g.filter)
+		}
+	}
+	bad := []struct {
+		text       string
+		partitions int
+		want       string
+	}{
+		{"{aggregate_type}.{prefix}", 0, "must start with the token {prefix}"},
+		{"{prefix}", 0, "no token after"},
+		{"{prefix}.{aggregate_type}..{event_type}", 0, "empty token"},
+		{"{prefix}.{aggregate_type}.", 0, "empty token"},
+		{"{prefix}.{aggregatetype}", 0, "unknown placeholder {aggregatetype}"},
+		{"{prefix}.{aggregate_type", 0, "'{' without '}'"},
+		{"{prefix}.aggregate_type}", 0, "'}' without '{'"},
+		{"{prefix}.{prefix}", 0, "may only be the first token"},
+		{"{prefix}.*.{event_type}", 0, "reserve"},
+		{"{prefix}.>", 0, "reserve"},
+		{"{prefix}.a b", 0, "whitespace"},
+		{"{prefix}._dlq.{event_type}", 0, "may not start with '_'"},
+		{"{prefix}.{aggregate_type}.{partition}", 0, "number of partitions is 0"},
+		{"{prefix}.{aggregate_type}", 4, "has no {partition} token"},
+		{"{prefix}.{partition}", -1, "negative"},
+	}
+	for _, b := range bad {
+		if _, err := ParseTemplate(b.text, b.partitions); err == nil || !strings.Contains(err.Error(), b.want) {
+			t.Errorf("%s (%d): %v, want %q", b.text, b.partitions, err, b.want)
+		}
+	}
+}
+
+func TestRenderTemplate(t *testing.T) {
+	tpl, err := ParseTemplate("{prefix}.{aggregate_type}.{aggregate_id}.p{partition}.{event_type}", 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ev := &Event{AggregateType: "order", AggregateID: "o-17", EventType: "OrderPaid"}
+	got, err := tpl.Render("acme.outbox", ev)
+	want := fmt.Sprintf("acme.outbox.order.o-17.p%d.OrderPaid", Partition("o-17", 4))
+	if err != nil || got != want {
+		t.Fatalf("%q %v, want %q", got, err, want)
+	}
+	for _, id := range []string{"a.b", "*", ">", "a b", "", "a\tb"} {
+		ev.AggregateID = id
+		if _, err := tpl.Render("outbox", ev); err == nil || !strings.Contains(err.Error(), "aggregate_id") {
+			t.Errorf("aggregate_id %q: %v", id, err)
+		}
+	}
+	// The default template renders today's subjects.
+	def, _ := ParseTemplate(DefaultSubjectTemplate, 0)
+	ev.AggregateID = "x.y" // not in the subject: no matter
+	if got, err := def.Render("outbox", ev); err != nil || got != "outbox.order.OrderPaid" {
+		t.Fatalf("default: %q %v", got, err)
+	}
+}
+
+// The documented vector: FNV-1a 32 of the UTF-8 bytes, modulo N.
+func TestPartitionVector(t *testing.T) {
+	for _, v := range []struct {
+		id   string
+		n    int
+		want int
+	}{
+		// FNV-1a 32: "" = 0x811c9dc5, "a" = 0xe40c292c, "foobar" = 0xbf9cf968
+		// (the published FNV test values); "order-17" = 0xd43044ae (docs/routing.md).
+		{"", 4, 0x811c9dc5 % 4},
+		{"order-17", 4, 2},
+		{"order-17", 16, 0xd43044ae % 16},
+		{"a", 4, 0xe40c292c % 4},
+		{"foobar", 7, 0xbf9cf968 % 7},
+		{"foobar", 1, 0},
+		{"a", 0, 0},
+	} {
+		if got := Partition(v.id, v.n); got != v.want {
+			t.Errorf("Partition(%q, %d) = %d, want %d", v.id, v.n, got, v.want)
+		}
+	}
+}
+
+// Partition matches nats-server's subject-transform partition(n, token):
+// a stream that maps <prefix>.<type>.<id>.<event> with
+// {{partition(n,3)}} computes the partition jetbox puts in the subject.
+func TestPartitionMatchesNATSTransform(t *testing.T) {
+	const n = 7
+	tr, err := server.NewSubjectTransform("outbox.*.*.*", fmt.Sprintf("p.{{partition(%d,2)}}", n))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 2000; i++ {
+		id := fmt.Sprintf("agg-%d-é", i)
+		got := tr.TransformSubject("outbox.order." + id + ".E")
+		if want := fmt.Sprintf("p.%d", Partition(id, n)); got != want {
+			t.Fatalf("id %q: nats-server %q, jetbox %q", id, got, want)
+		}
+	}
+}
+
+// The template applies to rows: a value that is not one token is a
+// bad-subject row, including an aggregate_id only the template uses.
+func TestTemplateRows(t *testing.T) {
+	tpl, _ := ParseTemplate("{prefix}.{aggregate_type}.{aggregate_id}.{partition}", 4)
+	d := New(Config{Schema: "public", Table: "outbox", Columns: DefaultColumns, SubjectPrefix: "outbox", Subjects: tpl, MessagePrefix: "jetbox"})
+	decode(t, d, relationMsg(5, "public", "outbox", outboxCols))
+	decode(t, d, beginMsg(1, time.Now(), 1))
+	m := decode(t, d, insertMsg(5, s(id1), s("order"), s("o-1"), s("E"), s(`{}`), nil, nil))
+	if want := fmt.Sprintf("outbox.order.o-1.%d", Partition("o-1", 4)); m.Event.Subject != want {
+		t.Fatalf("subject %q, want %q", m.Event.Subject, want)
+	}
+	_, err := d.Decode(insertMsg(5, s(id1), s("order"), s("o.1"), s("E"), s(`{}`), nil, nil))
+	var ie *InvalidEventError
+	if !errors.As(err, &ie) || ie.Code != ReasonBadSubject || !strings.Contains(ie.Error(), "aggregate_id") {
+		t.Fatalf("%v", err)
+	}
+	_, err = d.Decode(logicalMsg(true, 1, "jetbox", `{"id":"m1","aggregate_type":"order","aggregate_id":"o 1","event_type":"E","payload":1}`))
+	if !errors.As(err, &ie) || ie.Code != ReasonBadSubject || !ie.Message {
+		t.Fatalf("message: %v", err)
+	}
+}
