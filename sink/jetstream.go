@@ -46,7 +46,11 @@ type Config struct {
 	SubjectPrefix string // subjects are "<prefix>.>"
 	// SubjectFilter matches every subject the subject template produces
 	// (decoder.Template.Filter, under SubjectPrefix); check reports it.
-	SubjectFilter   string
+	SubjectFilter string
+	// SubjectsHoldIDs: the subject template holds {aggregate_id}; trace
+	// spans are then named after SubjectFilter, since one span name per
+	// aggregate would flood a trace backend.
+	SubjectsHoldIDs bool
 	DuplicateWindow time.Duration // for a stream jetbox creates
 	PublishTimeout  time.Duration // how long to wait for one PubAck
 	MaxPending      int           // async publishes in flight (the tracker's window)
@@ -113,7 +117,7 @@ func New(nc *nats.Conn, cfg Config, log zerolog.Logger) (*Publisher, error) {
 	if err != nil {
 		return nil, fmt.Errorf("jetstream context: %w", err)
 	}
-	return &Publisher{cfg: cfg, nc: nc, js: js, denied: make(chan struct{}), tracing: newTracing(cfg.TracerProvider, cfg.Stream),
+	return &Publisher{cfg: cfg, nc: nc, js: js, denied: make(chan struct{}), tracing: newTracing(cfg.TracerProvider, cfg.Stream, spanTemplate(cfg)),
 		log: log.With().Str("component", "sink").Str("stream", cfg.Stream).Logger()}, nil
 }
 
@@ -395,6 +399,7 @@ func (s *Session) watch() {
 			}
 		}
 		for _, r := range ready {
+			endSpan(r.pa.span, r.seq, r.dup, err) // tracing: the outcome done reports
 			r.pa.done(err)
 			if err != nil {
 				r.pa.report(serialResult{err: err})
@@ -438,7 +443,16 @@ func (s *Session) watch() {
 			case <-s.p.denied:
 				perr = s.p.deniedErr
 			case <-s.quit:
-				ready = nil // abandoned
+				// Abandoned: no done runs; their spans end as abandoned
+				// (Close closed pending before quit).
+				for _, r := range ready {
+					endSpan(r.pa.span, 0, false, errSpanAbandoned) // tracing
+				}
+				ready = nil
+				endSpan(pa.span, 0, false, errSpanAbandoned) // tracing
+				for pa := range s.pending {
+					endSpan(pa.span, 0, false, errSpanAbandoned) // tracing
+				}
 				return
 			}
 		}
@@ -479,7 +493,6 @@ func (s *Session) watch() {
 			s.p.record(outStored, 1)
 			s.p.cfg.Metrics.Latency.Observe(time.Since(pa.committed).Seconds())
 		}
-		endSpan(pa.span, ack.Sequence, ack.Duplicate, nil) // tracing
 		ready = append(ready, readyAck{pa: pa, seq: ack.Sequence, dup: ack.Duplicate})
 		if pa.serial != nil || len(ready) >= 1024 {
 			flush() // a Publish waits for it

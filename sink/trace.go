@@ -51,21 +51,35 @@ const (
 var (
 	errSpanTooLarge = errors.New("not published: the message is over the server's or the stream's size limit")
 	errSpanClosed   = errors.New("not published: the session is closed")
+	// errSpanAbandoned: a stop stopped waiting for the ack; the event is
+	// not confirmed, the next session republishes it.
+	errSpanAbandoned = errors.New("outcome unknown: the session was abandoned before its ack")
 )
 
 // tracing is the publisher's tracer; nil when tracing is off.
 type tracing struct {
-	tracer trace.Tracer
-	prop   propagation.TraceContext
-	attrs  []attribute.KeyValue // the same on every span
+	tracer   trace.Tracer
+	template string // names every span when set (see Config.SubjectsHoldIDs)
+	prop     propagation.TraceContext
+	attrs    []attribute.KeyValue // the same on every span
 }
 
-func newTracing(tp trace.TracerProvider, stream string) *tracing {
+// spanTemplate is the subject filter spans are named after, or "" to
+// name them after their subject.
+func spanTemplate(cfg Config) string {
+	if cfg.SubjectsHoldIDs {
+		return cfg.SubjectFilter
+	}
+	return ""
+}
+
+func newTracing(tp trace.TracerProvider, stream, template string) *tracing {
 	if tp == nil {
 		return nil
 	}
 	return &tracing{
-		tracer: tp.Tracer(TracerName, trace.WithSchemaURL(semconv.SchemaURL)),
+		template: template,
+		tracer:   tp.Tracer(TracerName, trace.WithSchemaURL(semconv.SchemaURL)),
 		attrs: []attribute.KeyValue{
 			semconv.MessagingSystemKey.String("nats"),
 			semconv.MessagingOperationTypeSend,
@@ -90,7 +104,7 @@ func (p *Publisher) startSpan(ev *decoder.Event, h nats.Header) trace.Span {
 	if v := h[HeaderCommitLSN]; len(v) == 1 {
 		lsn = v[0] // formatted once per transaction (txText)
 	}
-	attrs := make([]attribute.KeyValue, 0, len(t.attrs)+5)
+	attrs := make([]attribute.KeyValue, 0, len(t.attrs)+6)
 	attrs = append(attrs, t.attrs...)
 	attrs = append(attrs,
 		semconv.MessagingDestinationName(ev.Subject),
@@ -99,7 +113,12 @@ func (p *Publisher) startSpan(ev *decoder.Event, h nats.Header) trace.Span {
 		AttrCommitLSN.String(lsn),
 		AttrTxIndex.Int(ev.TxIndex),
 	)
-	ctx, span := t.tracer.Start(ctx, "jetbox publish "+ev.Subject,
+	name := "jetbox publish " + ev.Subject
+	if t.template != "" {
+		name = "jetbox publish " + t.template
+		attrs = append(attrs, semconv.MessagingDestinationTemplate(t.template))
+	}
+	ctx, span := t.tracer.Start(ctx, name,
 		trace.WithSpanKind(trace.SpanKindProducer), trace.WithAttributes(attrs...))
 	c := msgCarrier{h: h, row: ev.Headers}
 	t.prop.Inject(ctx, c)

@@ -3,7 +3,13 @@ package sink
 import (
 	"context"
 	"errors"
+	"fmt"
 	"testing"
+	"time"
+
+	"github.com/jetbox-dev/jetbox/internal/testenv"
+	"github.com/nats-io/nats.go"
+	"github.com/rs/zerolog"
 
 	"github.com/jackc/pglogrepl"
 	"github.com/jetbox-dev/jetbox/decoder"
@@ -20,7 +26,7 @@ func traceEvent(headers ...decoder.Header) *decoder.Event {
 // TestTracingOffAllocatesNothing: with no tracer provider the publish
 // path's hooks are nil checks.
 func TestTracingOffAllocatesNothing(t *testing.T) {
-	p := &Publisher{tracing: newTracing(nil, "OUTBOX")}
+	p := &Publisher{tracing: newTracing(nil, "OUTBOX", "")}
 	if p.tracing != nil {
 		t.Fatal("tracing on without a provider")
 	}
@@ -47,7 +53,7 @@ func TestTracingOffAllocatesNothing(t *testing.T) {
 func TestSpanHeaders(t *testing.T) {
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
-	p := &Publisher{tracing: newTracing(tp, "OUTBOX")}
+	p := &Publisher{tracing: newTracing(tp, "OUTBOX", "")}
 	const parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 	for _, key := range []string{"traceparent", "TraceParent", ""} {
 		var ev *decoder.Event
@@ -134,7 +140,7 @@ func BenchmarkPublishSpan(b *testing.B) {
 		if on {
 			name = "on"
 			tp = sdktrace.NewTracerProvider(sdktrace.WithBatcher(discardExporter{}), sdktrace.WithSampler(sdktrace.AlwaysSample()))
-			p.tracing = newTracing(tp, "OUTBOX")
+			p.tracing = newTracing(tp, "OUTBOX", "")
 		}
 		b.Run(name, func(b *testing.B) {
 			b.ReportAllocs()
@@ -147,5 +153,105 @@ func BenchmarkPublishSpan(b *testing.B) {
 		if tp != nil {
 			_ = tp.Shutdown(context.Background())
 		}
+	}
+}
+
+// TestAbandonedSpansEnd: a Close whose deadline passes abandons the acks in
+// flight (their done never runs); their spans must still end, as errors, or
+// the SDK would hold them forever (found by a review: 3 started, 0 ended).
+// Every span ends once, with the outcome its event had.
+func TestAbandonedSpansEnd(t *testing.T) {
+	if testing.Short() {
+		t.Skip("server test")
+	}
+	n := testenv.StartNATS(t)
+	px := testenv.StartProxy(t, n.URL[len("nats://"):])
+	nc, err := nats.Connect("nats://"+px.Addr, nats.MaxReconnects(-1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	p, err := New(nc, Config{Stream: "OUTBOX", SubjectPrefix: "outbox", DuplicateWindow: time.Minute, PublishTimeout: time.Minute,
+		MaxPending: 64, OrderGuard: true, TracerProvider: tp}, zerolog.Nop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if _, err := p.EnsureStream(ctx); err != nil {
+		t.Fatal(err)
+	}
+	s, err := p.Open(ctx, "test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// One event stored, then the link blackholed under three more.
+	stored := make(chan error, 1)
+	ev := traceEvent()
+	ev.Source, ev.TxIndex = "test", 0
+	if err := s.Publish(ev, func(err error) { stored <- err }); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-stored; err != nil {
+		t.Fatal(err)
+	}
+	px.Pause()
+	for i := 1; i <= 3; i++ {
+		ev := traceEvent()
+		ev.ID, ev.Source, ev.TxIndex = fmt.Sprint("id-", i+1), "test", i
+		if err := s.Publish(ev, func(error) {}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	if err := s.Close(cctx); err == nil {
+		t.Fatal("Close returned nil with the link blackholed")
+	}
+	px.Resume()
+	ended := rec.Ended()
+	if len(rec.Started()) != 4 || len(ended) != 4 {
+		t.Fatalf("%d spans started, %d ended, want 4 and 4", len(rec.Started()), len(ended))
+	}
+	for i, sp := range ended {
+		want := OutcomeError
+		if i == 0 {
+			want = OutcomePublished
+		}
+		for _, a := range sp.Attributes() {
+			if a.Key == AttrOutcome && a.Value.AsString() != want {
+				t.Errorf("span %d: outcome %s, want %s", i, a.Value.AsString(), want)
+			}
+		}
+	}
+}
+
+// TestSpanNameWithAggregateIDs: with {aggregate_id} in the subjects, spans
+// are named after the template's filter, not one name per aggregate.
+func TestSpanNameWithAggregateIDs(t *testing.T) {
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	cfg := Config{SubjectFilter: "outbox.*.*.*", SubjectsHoldIDs: true}
+	p := &Publisher{tracing: newTracing(tp, "OUTBOX", spanTemplate(cfg))}
+	ev := traceEvent()
+	ev.Subject = "outbox.order.17.OrderCreated"
+	var tx txText
+	endSpan(p.startSpan(ev, p.header(ev, &tx, 2)), 1, false, nil)
+	s := rec.Ended()[0]
+	var tmpl, dest string
+	for _, a := range s.Attributes() {
+		switch a.Key {
+		case "messaging.destination.template":
+			tmpl = a.Value.AsString()
+		case "messaging.destination.name":
+			dest = a.Value.AsString()
+		}
+	}
+	if s.Name() != "jetbox publish outbox.*.*.*" || tmpl != "outbox.*.*.*" || dest != ev.Subject {
+		t.Fatalf("span %q, template %q, destination %q", s.Name(), tmpl, dest)
+	}
+	if spanTemplate(Config{SubjectFilter: "outbox.*.*"}) != "" {
+		t.Fatal("subjects without ids: spans must keep their subject as name")
 	}
 }

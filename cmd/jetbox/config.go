@@ -296,18 +296,32 @@ func (f *RunFlags) Config() (Config, error) {
 			bad("message-prefix", f.MessagePrefix, "the prefix of jetbox's own heartbeats", "use another prefix, e.g. jetbox (the default)")
 		}
 	}
+	// The template's syntax and the partition count are checked apart, so
+	// both problems are reported, each under its own flag; --partitions is
+	// blamed only for not matching the template's {partition}.
 	partitions, err := strconv.Atoi(f.Partitions)
-	var subjects *decoder.Template
-	if err != nil || partitions < 0 || partitions > 100000 {
+	badPartitions := err != nil || partitions < 0 || partitions > 100000
+	if badPartitions {
 		bad("partitions", f.Partitions, "not a count between 0 and 100000", "use 0 (no {partition}) or e.g. 16")
-	} else if tpl, err := decoder.ParseTemplate(f.SubjectTemplate, partitions); err != nil {
-		flag, value := "subject-template", f.SubjectTemplate
-		if partitions > 0 && !strings.Contains(f.SubjectTemplate, decoder.TokenPartition) {
-			flag, value = "partitions", f.Partitions
+	}
+	hasPartition := strings.Contains(f.SubjectTemplate, decoder.TokenPartition)
+	syntaxN := 0
+	if hasPartition {
+		syntaxN = 1
+	}
+	var subjects *decoder.Template
+	if _, err := decoder.ParseTemplate(f.SubjectTemplate, syntaxN); err != nil {
+		bad("subject-template", f.SubjectTemplate, err.Error(), "write tokens separated by '.', {prefix} first, e.g. {prefix}.{aggregate_type}.{partition}.{event_type} with --partitions=16 (see docs/routing.md)")
+	} else if !badPartitions {
+		if tpl, err := decoder.ParseTemplate(f.SubjectTemplate, partitions); err != nil {
+			flag, value := "partitions", f.Partitions
+			if hasPartition {
+				flag, value = "subject-template", f.SubjectTemplate // {partition} without a count
+			}
+			bad(flag, value, err.Error(), "give --partitions=N (N ≥ 1) exactly when the template has {partition}, e.g. {prefix}.{aggregate_type}.{partition}.{event_type} with --partitions=16")
+		} else if f.SubjectTemplate != decoder.DefaultSubjectTemplate {
+			subjects = tpl // nil keeps the historical subject code and hints
 		}
-		bad(flag, value, err.Error(), "write tokens separated by '.', {prefix} first, e.g. {prefix}.{aggregate_type}.{partition}.{event_type} with --partitions=16 (see docs/routing.md)")
-	} else if f.SubjectTemplate != decoder.DefaultSubjectTemplate {
-		subjects = tpl // nil keeps the historical subject code and hints
 	}
 	cols := decoder.Columns{ID: f.IDColumn, AggregateType: f.AggregateTypeColumn, AggregateID: f.AggregateIDColumn,
 		EventType: f.EventTypeColumn, Payload: f.PayloadColumn, Headers: f.HeadersColumn}
@@ -427,7 +441,7 @@ func (f *RunFlags) Config() (Config, error) {
 	}
 	c.Sink = sink.Config{Stream: f.Stream, SubjectPrefix: f.SubjectPrefix, DuplicateWindow: dupWindow,
 		PublishTimeout: publishTimeout, MaxPending: maxInFlight, OrderGuard: orderGuard, ExactlyOnce: f.Delivery == "exactly-once", DeadLetterSubject: deadLetter,
-		AtomicTransactions: atomicTx, SubjectFilter: filter}
+		AtomicTransactions: atomicTx, SubjectFilter: filter, SubjectsHoldIDs: subjects != nil && subjects.UsesAggregateID()}
 	c.LogLevel, c.LogConsole = level, f.LogFormat == "console"
 	return c, nil
 }

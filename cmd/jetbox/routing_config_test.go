@@ -73,3 +73,30 @@ func parseDefaults(t *testing.T, f *RunFlags) {
 	}
 	*f = c.Run
 }
+
+// TestTemplateAndPartitionProblemsTogether: a bad --partitions does not hide
+// the template's own problem, and a template's syntax error is never blamed
+// on --partitions (found by a review).
+func TestTemplateAndPartitionProblemsTogether(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		want []string
+		not  string
+	}{
+		{[]string{"--partitions=x", "--subject-template={prefix}..{event_type}"},
+			[]string{"--partitions (JETBOX_PARTITIONS)", "--subject-template (JETBOX_SUBJECT_TEMPLATE)"}, ""},
+		{[]string{"--partitions=4", "--subject-template={prefix}.{aggregate_type}..{event_type}"},
+			[]string{"--subject-template (JETBOX_SUBJECT_TEMPLATE)"}, "--partitions (JETBOX_PARTITIONS)"},
+	} {
+		var out, errOut bytes.Buffer
+		code := realMain(append([]string{"run", "--postgres-url=postgres://x@127.0.0.1/db"}, c.args...), &out, &errOut)
+		for _, want := range c.want {
+			if code != exitConfig || !strings.Contains(errOut.String(), want) {
+				t.Errorf("%v: exit %d, output lacks %q:\n%s", c.args, code, want, errOut.String())
+			}
+		}
+		if c.not != "" && strings.Contains(errOut.String(), c.not) {
+			t.Errorf("%v: blames %s:\n%s", c.args, c.not, errOut.String())
+		}
+	}
+}
