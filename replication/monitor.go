@@ -148,25 +148,34 @@ func (m *monitor) poll(ctx context.Context, ensure func() bool, conn **pgx.Conn)
 // publication), and carrying on would lose them silently.
 func (m *monitor) checkPublication(ctx context.Context, conn *pgx.Conn) {
 	cfg := m.s.cfg
-	var pubExists, published, inserts, tableExists bool
+	var pubExists, published, inserts, tableExists, replaced bool
 	var oid uint32
-	err := conn.QueryRow(ctx, `SELECT
+	start := m.s.startOID.Load()
+	// A problem is read twice: one query can see a table replaced in one
+	// transaction half old, half new (pg_publication_tables reads the
+	// catalogs with a newer snapshot than the statement's), which looks
+	// like a table left out of the publication.
+	for attempt := 0; attempt < 2; attempt++ {
+		err := conn.QueryRow(ctx, `SELECT
 		EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1),
 		EXISTS (SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3),
 		coalesce((SELECT pubinsert FROM pg_publication WHERE pubname = $1), false),
 		EXISTS (SELECT 1 FROM pg_tables WHERE schemaname = $2 AND tablename = $3),
 		coalesce(to_regclass($4)::oid, 0)`,
-		cfg.Publication, cfg.Decoder.Schema, cfg.Decoder.Table, cfg.quotedTable()).Scan(&pubExists, &published, &inserts, &tableExists, &oid)
-	if err != nil {
-		m.fail(fmt.Errorf("monitor publication query: %w", err))
-		return
-	}
-	if !cfg.hasTable() { // --source=messages: only the publication must exist
-		published, inserts, tableExists = true, true, true
+			cfg.Publication, cfg.Decoder.Schema, cfg.Decoder.Table, cfg.quotedTable()).Scan(&pubExists, &published, &inserts, &tableExists, &oid)
+		if err != nil {
+			m.fail(fmt.Errorf("monitor publication query: %w", err))
+			return
+		}
+		if !cfg.hasTable() { // --source=messages: only the publication must exist
+			published, inserts, tableExists = true, true, true
+		}
+		replaced = start != 0 && oid != 0 && oid != start
+		if pubExists && published && inserts {
+			break // healthy, or replaced: no second look needed
+		}
 	}
 	since := m.published
-	start := m.s.startOID.Load()
-	replaced := start != 0 && oid != 0 && oid != start
 	if pubExists && published && inserts && !replaced {
 		m.published = time.Now()
 		return
@@ -194,7 +203,7 @@ func (m *monitor) checkPublication(ctx context.Context, conn *pgx.Conn) {
 	default:
 		what, fix = fmt.Sprintf("publication %q no longer publishes inserts", cfg.Publication), "ALTER PUBLICATION "+quoteIdent(cfg.Publication)+" SET (publish = 'insert')"
 	}
-	err = &PermanentError{Err: fmt.Errorf("%s: Postgres does not stream outbox rows committed since then, and jetbox stops rather than lose them silently; fix: %s, restart jetbox, then re-publish from the table the rows committed after %s (re-inserting them with their ids: the stream dedups those it has)",
+	err := &PermanentError{Err: fmt.Errorf("%s: Postgres does not stream outbox rows committed since then, and jetbox stops rather than lose them silently; fix: %s, restart jetbox, then re-publish from the table the rows committed after %s (re-inserting them with their ids: the stream dedups those it has)",
 		what, fix, since.UTC().Format(time.RFC3339))}
 	select {
 	case m.s.fatal <- err:

@@ -379,8 +379,8 @@ func checkChart(t *testing.T, v chartVariant, docs []map[string]any, flagEnv map
 		val, set := env[f.Tag.Get("env")]
 		if !set {
 			val = f.Tag.Get("default")
-			if val == "${default_delivery}" {
-				val = DefaultDelivery
+			if name, ok := strings.CutPrefix(val, "${"); ok {
+				val = flagVars[strings.TrimSuffix(name, "}")] // a default from a package constant
 			}
 		}
 		if strings.HasPrefix(val, "secret:") {
