@@ -69,6 +69,31 @@ type Config struct {
 	MessagePrefix string
 }
 
+// IndexScheme names how Event.TxIndex counts a transaction's events: "" when
+// only the table's rows count (--source=table, the default), else
+// "table,messages:<prefix>" or "messages:<prefix>" (rows and messages of that
+// prefix count together). The same WAL read under two schemes can give a row
+// two indexes; messages published under a non-empty scheme carry it in the
+// Jetbox-Index-Scheme header, so a restart can tell (replication checks it).
+func (c Config) IndexScheme() string {
+	switch {
+	case c.MessagePrefix == "":
+		return ""
+	case c.Table == "":
+		return "messages:" + c.MessagePrefix
+	}
+	return "table,messages:" + c.MessagePrefix
+}
+
+// schemeHeaderSize is what the Jetbox-Index-Scheme header adds to a message
+// (see WireSize): its name, value and separators.
+func (c Config) schemeHeaderSize() int {
+	if s := c.IndexScheme(); s != "" {
+		return len("Jetbox-Index-Scheme") + len(s) + 4
+	}
+	return 0
+}
+
 // Kind says what a decoded message means to the forwarder.
 type Kind int
 

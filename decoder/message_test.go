@@ -220,3 +220,26 @@ func TestDecodeEnvelopeMatchesDecode(t *testing.T) {
 		t.Fatalf("%+v %v", dl, err)
 	}
 }
+
+func TestIndexScheme(t *testing.T) {
+	for _, c := range []struct {
+		cfg  Config
+		want string
+	}{
+		{Config{Schema: "public", Table: "outbox"}, ""}, // --source=table: no header, messages unchanged
+		{Config{Schema: "public", Table: "outbox", MessagePrefix: "jetbox"}, "table,messages:jetbox"},
+		{Config{MessagePrefix: "jetbox"}, "messages:jetbox"},
+		{Config{MessagePrefix: "acme"}, "messages:acme"},
+	} {
+		if got := c.cfg.IndexScheme(); got != c.want {
+			t.Errorf("%+v: IndexScheme() = %q, want %q", c.cfg, got, c.want)
+		}
+		want := 0
+		if c.want != "" {
+			want = len("Jetbox-Index-Scheme: \r\n") + len(c.want)
+		}
+		if got := c.cfg.schemeHeaderSize(); got != want {
+			t.Errorf("%+v: schemeHeaderSize() = %d, want %d", c.cfg, got, want)
+		}
+	}
+}

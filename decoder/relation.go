@@ -267,8 +267,8 @@ func (r *relation) check(ev *Event, cols []column, cfg *Config) *InvalidEventErr
 			return invalid(ReasonBadHeaders, "headers", fmt.Sprintf("headers arrived as %q, not text", h.kind), "")
 		}
 	}
-	if max := cfg.MaxMessageSize; max > 0 && ev.WireSize() > max {
-		return invalid(ReasonTooLarge, "payload", fmt.Sprintf("message of about %d bytes (payload %d) is over the limit of %d bytes (the server's max_payload or the stream's max_msg_size)", ev.WireSize(), len(ev.Payload), max),
+	if size, max := ev.WireSize()+cfg.schemeHeaderSize(), cfg.MaxMessageSize; max > 0 && size > max {
+		return invalid(ReasonTooLarge, "payload", fmt.Sprintf("message of about %d bytes (payload %d) is over the limit of %d bytes (the server's max_payload or the stream's max_msg_size)", size, len(ev.Payload), max),
 			"raise max_payload on the NATS server (and the stream's max_msg_size), or keep outbox payloads smaller (e.g. a CHECK on octet_length(payload))")
 	}
 	return nil

@@ -21,6 +21,7 @@ type StreamTip struct {
 	Source     string // Jetbox-Source: <system id>/<timeline>/<database>/<slot>
 	CommitLSN  pglogrepl.LSN
 	CommitTime string
+	Scheme     string // how its Jetbox-Tx-Index counted (decoder.Config.IndexScheme)
 }
 
 // TipSource is a Sink that can read the stream's tip. The streamer compares
@@ -193,22 +194,20 @@ func readServer(ctx context.Context, conn *pgconn.PgConn, slot string) (server, 
 }
 
 // checkHistory runs verify on conn; with accept it logs the loss and, for a
-// rewind or timeline break, has the sink forget the abandoned positions.
-func checkHistory(ctx context.Context, conn *pgconn.PgConn, cfg Config, ts TipSource, log zerolog.Logger) (server, error) {
+// rewind or timeline break, has the sink forget the abandoned positions. It
+// returns the tip it checked; ok is false when there is none, or it belongs
+// to a history an accepted loss abandoned.
+func checkHistory(ctx context.Context, conn *pgconn.PgConn, cfg Config, ts TipSource, log zerolog.Logger) (srv server, tip StreamTip, ok bool, err error) {
 	// The tip first, then the server: the server's position is then at
 	// least any position the stream holds (another instance may publish
 	// meanwhile).
-	var tip StreamTip
-	var ok bool
 	if ts != nil {
-		var err error
 		if tip, ok, err = ts.Tip(ctx); err != nil {
-			return server{}, fmt.Errorf("read the stream's last jetbox message: %w", err)
+			return server{}, StreamTip{}, false, fmt.Errorf("read the stream's last jetbox message: %w", err)
 		}
 	}
-	srv, err := readServer(ctx, conn, cfg.Slot)
-	if err != nil {
-		return srv, err
+	if srv, err = readServer(ctx, conn, cfg.Slot); err != nil {
+		return srv, StreamTip{}, false, err
 	}
 	err = verify(ctx, tip, ok, srv, cfg.Slot)
 	var he *HistoryError
@@ -216,9 +215,44 @@ func checkHistory(ctx context.Context, conn *pgconn.PgConn, cfg Config, ts TipSo
 		log.Warn().Str("case", he.Case).Str("after_commit_time", tip.CommitTime).Str("after_lsn", tip.CommitLSN.String()).
 			Str("detail", he.Detail).Msg("--accept-lost-rows: going on; rows committed after this point may be missing from the stream (jetbox repair re-publishes them from the table)")
 		ts.Forget(tip)
-		return srv, nil
+		return srv, StreamTip{}, false, nil
 	}
-	return srv, err
+	return srv, tip, ok, err
+}
+
+// ownTip reports whether the tip comes from this database and slot (on any
+// timeline: verify checked the server continues it).
+func ownTip(tip StreamTip, sys pglogrepl.IdentifySystemResult, slot string) bool {
+	src, ok := parseSource(tip.Source)
+	return ok && src.systemID == sys.SystemID && src.db == sys.DBName && src.slot == slot
+}
+
+// checkScheme refuses to count a transaction's events under another scheme
+// than the stream's last message did (decoder.Config.IndexScheme) when that
+// message's transaction will be read again: replication restarts at the
+// slot's confirmed position start, and a transaction committed at or after
+// it (one acked in part at a stop, or before a crash) is replayed. Its
+// events' Jetbox-Tx-Index values would shift, and a position check would
+// skip a row the stream lacks (a lost row) or take a stored one for a new
+// one. A change after a clean stop (the tip's commit before start) is safe.
+func checkScheme(tip StreamTip, current string, start pglogrepl.LSN) error {
+	if tip.Scheme == current || tip.CommitLSN < start {
+		return nil
+	}
+	return &PermanentError{
+		Err: fmt.Errorf("the stream's last transaction (commit LSN %s, committed at %s) was stored, in part or whole, under %s, and the slot replays it (confirmed position %s), while this run counts a transaction's rows and messages differently (%s): its events' Jetbox-Tx-Index would shift, so a stored row could be taken for a new one or a row the stream lacks be skipped as a replay",
+			tip.CommitLSN, tip.CommitTime, describeScheme(tip.Scheme), start, describeScheme(current)),
+		Hint: fmt.Sprintf("restart once with %s until that transaction is confirmed (a clean stop after it), then change --source or --message-prefix", describeScheme(tip.Scheme)),
+	}
+}
+
+// describeScheme spells an index scheme as the flags that give it.
+func describeScheme(scheme string) string {
+	src, prefix, ok := strings.Cut(scheme, ":")
+	if scheme == "" || !ok {
+		return "--source=table"
+	}
+	return "--source=" + src + " --message-prefix=" + prefix
 }
 
 // VerifyHistory compares the stream's tip (from ts) with the server before
@@ -236,6 +270,6 @@ func VerifyHistory(ctx context.Context, connString string, cfg Config, ts TipSou
 		return fmt.Errorf("%w: connect for replication: %w", ErrUnreachable, err)
 	}
 	defer conn.Close(context.WithoutCancel(ctx))
-	_, err = checkHistory(ctx, conn, cfg, ts, log)
+	_, _, _, err = checkHistory(ctx, conn, cfg, ts, log)
 	return err
 }

@@ -3,6 +3,7 @@ package replication
 import (
 	"context"
 	"errors"
+	"strings"
 	"testing"
 
 	"github.com/jackc/pglogrepl"
@@ -53,5 +54,67 @@ func TestVerifyHistory(t *testing.T) {
 				t.Fatal("not permanent")
 			}
 		})
+	}
+}
+
+func TestCheckScheme(t *testing.T) {
+	const mixed, messages = "table,messages:jetbox", "messages:jetbox"
+	tip := func(scheme string, lsn pglogrepl.LSN) StreamTip {
+		return StreamTip{Seq: 9, Source: "42/1/app/jetbox", CommitLSN: lsn, CommitTime: "2026-12-01T20:00:00.000000000Z", Scheme: scheme}
+	}
+	for _, c := range []struct {
+		name    string
+		tip     StreamTip
+		current string
+		start   pglogrepl.LSN
+		refuse  bool
+	}{
+		{"same scheme, replayed", tip(mixed, 0x3000000), mixed, 0x3000000, false},
+		{"table both times, replayed", tip("", 0x3000000), "", 0x2000000, false},
+		{"table to mixed after a clean stop", tip("", 0x3000000), mixed, 0x3000100, false},
+		{"mixed to table after a clean stop", tip(mixed, 0x3000000), "", 0x3000100, false},
+		{"mixed to table, replayed", tip(mixed, 0x3000000), "", 0x3000000, true},
+		{"table to mixed, replayed", tip("", 0x3000000), mixed, 0x2000000, true},
+		{"mixed to messages, replayed", tip(mixed, 0x3000000), messages, 0x3000000, true},
+		{"other prefix, replayed", tip(mixed, 0x3000000), "table,messages:other", 0x3000000, true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			err := checkScheme(c.tip, c.current, c.start)
+			switch {
+			case !c.refuse && err != nil:
+				t.Fatalf("unexpected error: %v", err)
+			case c.refuse && err == nil:
+				t.Fatal("a change of scheme with the tip's transaction replayed went through")
+			case c.refuse && !IsPermanent(err):
+				t.Fatalf("not permanent: %v", err)
+			}
+			if !c.refuse {
+				return
+			}
+			msg := err.Error()
+			for _, want := range []string{c.tip.CommitLSN.String(), c.tip.CommitTime, "restart once with " + describeScheme(c.tip.Scheme), describeScheme(c.current)} {
+				if !strings.Contains(msg, want) {
+					t.Errorf("error lacks %q: %s", want, msg)
+				}
+			}
+		})
+	}
+	if got := describeScheme(mixed); got != "--source=table,messages --message-prefix=jetbox" {
+		t.Errorf("describeScheme(%q) = %q", mixed, got)
+	}
+	if got := describeScheme(""); got != "--source=table" {
+		t.Errorf(`describeScheme("") = %q`, got)
+	}
+}
+
+func TestOwnTip(t *testing.T) {
+	sys := pglogrepl.IdentifySystemResult{SystemID: "42", Timeline: 2, DBName: "app"}
+	for src, want := range map[string]bool{
+		"42/1/app/jetbox": true, "42/2/app/jetbox": true, "42/2/other/jetbox": false,
+		"7/2/app/jetbox": false, "42/2/app/slot2": false, "garbage": false,
+	} {
+		if got := ownTip(StreamTip{Source: src}, sys, "jetbox"); got != want {
+			t.Errorf("ownTip(%q) = %v, want %v", src, got, want)
+		}
 	}
 }

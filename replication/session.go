@@ -32,7 +32,7 @@ func (s *Streamer) session(ctx context.Context) (err error) {
 	// Never start a new history silently: the server must continue the
 	// stream's (slot kept, no rewind, a timeline that branched after it).
 	ts, _ := s.sink.(TipSource)
-	srv, err := checkHistory(sctx, conn, s.cfg, ts, s.log)
+	srv, tip, haveTip, err := checkHistory(sctx, conn, s.cfg, ts, s.log)
 	if err != nil {
 		return err
 	}
@@ -43,6 +43,12 @@ func (s *Streamer) session(ctx context.Context) (err error) {
 	start, err := slotPosition(sctx, conn, s.cfg.Slot)
 	if err != nil {
 		return err
+	}
+	// The tip's transaction, if replayed, must be counted as it was stored.
+	if haveTip && ownTip(tip, sys, s.cfg.Slot) {
+		if err := checkScheme(tip, s.cfg.Decoder.IndexScheme(), start); err != nil {
+			return err
+		}
 	}
 	source := sourceOf(sys, s.cfg.Slot)
 	// Open the sink before streaming starts: no walsender waits on us yet.

@@ -17,8 +17,13 @@ const (
 	HeaderEventType     = "Jetbox-Event-Type"
 	HeaderCommitLSN     = "Jetbox-Commit-LSN" // the transaction's commit LSN, X/X form
 	HeaderCommitTime    = "Jetbox-Commit-Time"
-	HeaderTxIndex       = "Jetbox-Tx-Index" // the row's place among the outbox rows of its transaction, from 0
+	HeaderTxIndex       = "Jetbox-Tx-Index" // the event's place among its transaction's outbox rows and messages together, from 0
 	HeaderSource        = "Jetbox-Source"   // <system id>/<timeline>/<database>/<slot>
+	// HeaderIndexScheme says how Jetbox-Tx-Index counted (decoder.Config.
+	// IndexScheme): absent with --source=table, else e.g.
+	// "table,messages:jetbox". The same transaction read under another
+	// scheme numbers its events differently.
+	HeaderIndexScheme = "Jetbox-Index-Scheme"
 	// HeaderTxLast is "true" on the last message of each transaction when
 	// transactions are published atomically (Config.AtomicTransactions).
 	HeaderTxLast = "Jetbox-Tx-Last"

@@ -19,6 +19,7 @@ type Tip struct {
 	Source     string // Jetbox-Source
 	CommitLSN  pglogrepl.LSN
 	CommitTime string // Jetbox-Commit-Time, as stored
+	Scheme     string // Jetbox-Index-Scheme: "" when absent (--source=table)
 }
 
 // Tip returns the last message on <prefix>.> that jetbox wrote (it carries
@@ -49,7 +50,8 @@ func (p *Publisher) Tip(ctx context.Context) (Tip, bool, error) {
 	if !ok || src == "" {
 		return Tip{}, false, nil
 	}
-	return Tip{Seq: m.Sequence, Source: src, CommitLSN: pglogrepl.LSN(pos.CommitLSN), CommitTime: m.Header.Get(HeaderCommitTime)}, true, nil
+	return Tip{Seq: m.Sequence, Source: src, CommitLSN: pglogrepl.LSN(pos.CommitLSN), CommitTime: m.Header.Get(HeaderCommitTime),
+		Scheme: m.Header.Get(HeaderIndexScheme)}, true, nil
 }
 
 // ForgetPositionsThrough tells later sessions that the stream's messages up

@@ -66,7 +66,10 @@ type Config struct {
 	// batches (see AtomicSession); needs ExactlyOnce and a stream with
 	// AllowAtomicPublish (nats-server 2.12 or later).
 	AtomicTransactions bool
-	Metrics            *metrics.Metrics
+	// IndexScheme is decoder.Config.IndexScheme: when set, every message
+	// carries it in Jetbox-Index-Scheme.
+	IndexScheme string
+	Metrics     *metrics.Metrics
 	// TracerProvider: one span per event (sink/trace.go); nil: no tracing.
 	TracerProvider TracerProvider
 }
@@ -337,7 +340,7 @@ type txText struct {
 func (p *Publisher) header(ev *decoder.Event, tx *txText, extra int) nats.Header {
 	// Header keys are set canonical and directly (not through publish
 	// options): the hot path then skips re-canonicalising every key.
-	h := make(nats.Header, 10+extra+len(ev.Headers))
+	h := make(nats.Header, 11+extra+len(ev.Headers))
 	for _, uh := range ev.Headers {
 		h[uh.Key] = []string{uh.Value} // keep the producer's spelling (traceparent)
 	}
@@ -352,6 +355,9 @@ func (p *Publisher) header(ev *decoder.Event, tx *txText, extra int) nats.Header
 	h[HeaderTxIndex] = []string{strconv.Itoa(ev.TxIndex)}
 	if ev.Source != "" {
 		h[HeaderSource] = []string{ev.Source}
+	}
+	if p.cfg.IndexScheme != "" {
+		h[HeaderIndexScheme] = []string{p.cfg.IndexScheme}
 	}
 	h[jetstream.MsgIDHeader] = []string{ev.ID}
 	// An ack from another stream that took over the subjects is an error.

@@ -255,3 +255,20 @@ func TestSpanNameWithAggregateIDs(t *testing.T) {
 		t.Fatal("subjects without ids: spans must keep their subject as name")
 	}
 }
+
+// TestIndexSchemeHeader: Jetbox-Index-Scheme is set only under a non-empty
+// scheme, so --source=table messages stay as they were.
+func TestIndexSchemeHeader(t *testing.T) {
+	for _, scheme := range []string{"", "table,messages:jetbox"} {
+		p := &Publisher{cfg: Config{Stream: "OUTBOX", IndexScheme: scheme}}
+		var tx txText
+		h := p.header(traceEvent(), &tx, 2)
+		got, ok := h[HeaderIndexScheme]
+		switch {
+		case scheme == "" && ok:
+			t.Errorf("table-only source: header %s = %q, want none", HeaderIndexScheme, got)
+		case scheme != "" && (len(got) != 1 || got[0] != scheme):
+			t.Errorf("header %s = %q, want %q", HeaderIndexScheme, got, scheme)
+		}
+	}
+}

@@ -21,19 +21,19 @@ func TestRoutingConfig(t *testing.T) {
 		t.Fatal(err)
 	}
 	d := cfg.Replication.Decoder
-	if d.Table != "outbox" || d.MessagePrefix != "jetbox" || d.Subjects == nil || d.Subjects.Partitions() != 8 || cfg.Sink.SubjectFilter != "outbox.*.*.*" {
-		t.Fatalf("decoder %+v, sink filter %q", d, cfg.Sink.SubjectFilter)
+	if d.Table != "outbox" || d.MessagePrefix != "jetbox" || d.Subjects == nil || d.Subjects.Partitions() != 8 || cfg.Sink.SubjectFilter != "outbox.*.*.*" || cfg.Sink.IndexScheme != "table,messages:jetbox" {
+		t.Fatalf("decoder %+v, sink filter %q, index scheme %q", d, cfg.Sink.SubjectFilter, cfg.Sink.IndexScheme)
 	}
 	f.Source, f.SubjectTemplate, f.Partitions = "messages", decoder.DefaultSubjectTemplate, "0"
 	if cfg, err = f.Config(); err != nil {
 		t.Fatal(err)
 	}
-	if d := cfg.Replication.Decoder; d.Table != "" || d.MessagePrefix != "jetbox" || d.Subjects != nil || cfg.Sink.SubjectFilter != "outbox.*.*" {
-		t.Fatalf("messages only: %+v", d)
+	if d := cfg.Replication.Decoder; d.Table != "" || d.MessagePrefix != "jetbox" || d.Subjects != nil || cfg.Sink.SubjectFilter != "outbox.*.*" || cfg.Sink.IndexScheme != "messages:jetbox" {
+		t.Fatalf("messages only: %+v, index scheme %q", d, cfg.Sink.IndexScheme)
 	}
 	f.Source = "table"
-	if cfg, _ = f.Config(); cfg.Replication.Decoder.MessagePrefix != "" {
-		t.Fatal("table source streams messages")
+	if cfg, _ = f.Config(); cfg.Replication.Decoder.MessagePrefix != "" || cfg.Sink.IndexScheme != "" {
+		t.Fatalf("table source streams messages (index scheme %q)", cfg.Sink.IndexScheme)
 	}
 
 	var out, errOut bytes.Buffer

@@ -168,7 +168,7 @@ type sinkAdapter struct {
 // Tip reads the stream's last jetbox message (see replication.TipSource).
 func (a sinkAdapter) Tip(ctx context.Context) (replication.StreamTip, bool, error) {
 	t, ok, err := a.p.Tip(ctx)
-	return replication.StreamTip{Seq: t.Seq, Source: t.Source, CommitLSN: t.CommitLSN, CommitTime: t.CommitTime}, ok, err
+	return replication.StreamTip{Seq: t.Seq, Source: t.Source, CommitLSN: t.CommitLSN, CommitTime: t.CommitTime, Scheme: t.Scheme}, ok, err
 }
 
 // Forget abandons the positions of an accepted lost history.
