@@ -75,8 +75,16 @@ func TestMillionRowTransaction(t *testing.T) {
 	t.Logf("%d-row transaction: insert %s, insert→all stored %s (%.0f events/s), jetbox peak RSS %.1f MiB (slot %s → %s)",
 		rows, inserted.Round(time.Millisecond), forwarded.Round(time.Millisecond), float64(rows)/forwarded.Seconds(),
 		float64(rss)/(1<<20), startLSN, end)
-	if rss > 128<<20 {
-		t.Errorf("peak RSS %.1f MiB: memory is not bounded by the window", float64(rss)/(1<<20))
+	// Buffering the transaction would take well over 1 GiB (a million
+	// events); bounded by the window, jetbox peaks at about 60 MiB (most of
+	// it the binary and the runtime), and the race detector multiplies that
+	// by 2–3.
+	limit := uint64(96 << 20)
+	if raceEnabled {
+		limit = 192 << 20
+	}
+	if uint64(rss) > limit {
+		t.Errorf("peak RSS %.1f MiB (limit %d MiB): memory is not bounded by the window", float64(rss)/(1<<20), limit>>20)
 	}
 	p.stop()
 }
