@@ -136,6 +136,10 @@ type Event struct {
 	// DeadLetter is set on a dead letter: why the row it stands for could
 	// not be published.
 	DeadLetter *InvalidEventError
+	// Decoded is when replication decoded the event, set only when it is
+	// traced (replication.Config.StampDecoded): its span starts there, so
+	// it shows the wait for the in-flight window too.
+	Decoded time.Time
 
 	rawHeaders string // the headers column when it was the problem
 	// messagePrefix is set on an event from a logical decoding message

@@ -130,6 +130,9 @@ func (l *loop) handle(ctx context.Context, data []byte) error {
 		switch msg.Kind {
 		case decoder.KindEvent:
 			msg.Event.Source = l.source
+			if l.s.cfg.StampDecoded {
+				msg.Event.Decoded = time.Now()
+			}
 			if msg.Event.DeadLetter != nil {
 				l.deadLettered(msg.Event.DeadLetter, msg.Event.Subject)
 			}

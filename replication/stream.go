@@ -22,6 +22,8 @@ type Config struct {
 	Slot        string
 	Publication string
 	Decoder     decoder.Config
+	// StampDecoded sets each event's Decoded time (for its trace span).
+	StampDecoded bool
 
 	StatusInterval   time.Duration // how often to send standby status (≤ wal_sender_timeout/3)
 	Timeout          time.Duration // no message from Postgres for this long while reading: reconnect

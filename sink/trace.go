@@ -118,8 +118,11 @@ func (p *Publisher) startSpan(ev *decoder.Event, h nats.Header) trace.Span {
 		name = "jetbox publish " + t.template
 		attrs = append(attrs, semconv.MessagingDestinationTemplate(t.template))
 	}
-	ctx, span := t.tracer.Start(ctx, name,
-		trace.WithSpanKind(trace.SpanKindProducer), trace.WithAttributes(attrs...))
+	opts := []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindProducer), trace.WithAttributes(attrs...)}
+	if !ev.Decoded.IsZero() {
+		opts = append(opts, trace.WithTimestamp(ev.Decoded)) // from decode: the window's wait shows
+	}
+	ctx, span := t.tracer.Start(ctx, name, opts...)
 	c := msgCarrier{h: h, row: ev.Headers}
 	t.prop.Inject(ctx, c)
 	if span.SpanContext().TraceState().Len() == 0 {

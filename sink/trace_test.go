@@ -272,3 +272,18 @@ func TestIndexSchemeHeader(t *testing.T) {
 		}
 	}
 }
+
+// TestSpanStartsAtDecode: an event stamped at decode starts its span there,
+// so the span shows the wait for the in-flight window as well.
+func TestSpanStartsAtDecode(t *testing.T) {
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	p := &Publisher{tracing: newTracing(tp, "OUTBOX", "")}
+	ev := traceEvent()
+	ev.Decoded = time.Now().Add(-time.Second)
+	var tx txText
+	endSpan(p.startSpan(ev, p.header(ev, &tx, 2)), 1, false, nil)
+	if got := rec.Ended()[0].StartTime(); !got.Equal(ev.Decoded) {
+		t.Fatalf("span starts %s, want the decode time %s", got, ev.Decoded)
+	}
+}

@@ -61,6 +61,7 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 	}
 	defer stopTracing() // after the last ack: exports the last spans, bounded
 	cfg.Sink.TracerProvider = tp
+	cfg.Replication.StampDecoded = tp != nil // spans start at decode
 
 	if cfg.NatsURL == "embedded" {
 		srv, err := startEmbeddedNATS(cfg)
