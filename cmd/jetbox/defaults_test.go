@@ -1,10 +1,8 @@
 package main
 
 import (
-	"os"
 	"reflect"
 	"regexp"
-	"strings"
 	"testing"
 	"time"
 
@@ -42,23 +40,10 @@ func TestFlagDefaults(t *testing.T) {
 		}
 	}
 
-	for _, kv := range os.Environ() {
-		if name, _, _ := strings.Cut(kv, "="); strings.HasPrefix(name, "JETBOX_") {
-			t.Setenv(name, "")
-			os.Unsetenv(name)
-		}
-	}
-	var c cli
-	exitCode := -1
-	var stderr strings.Builder
-	parser, err := newParser(&c, discard{}, &stderr, &exitCode)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if kctx, code := parseCommand(parser, &exitCode, []string{"run", "--postgres-url=postgres://u@127.0.0.1/db"}, &stderr); kctx == nil {
-		t.Fatalf("parse: exit %d: %s", code, stderr.String())
-	}
-	cfg, err := c.Run.Config()
+	var f RunFlags
+	parseDefaults(t, &f)
+	f.PostgresURL = "postgres://u@127.0.0.1/db"
+	cfg, err := f.Config()
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -162,21 +162,7 @@ func TestDeployFiles(t *testing.T) {
 				Template struct {
 					Metadata struct{ Annotations map[string]string }
 					Spec     struct {
-						Containers []struct {
-							Name  string
-							Env   []struct{ Name, Value string }
-							Ports []struct {
-								Name          string
-								ContainerPort int `yaml:"containerPort"`
-							}
-							LivenessProbe struct {
-								HTTPGet struct{ Path, Port string } `yaml:"httpGet"`
-							} `yaml:"livenessProbe"`
-							ReadinessProbe struct {
-								HTTPGet struct{ Path, Port string } `yaml:"httpGet"`
-							} `yaml:"readinessProbe"`
-							Resources struct{ Requests, Limits map[string]string }
-						}
+						Containers []container // as in the Helm chart's test
 					}
 				}
 			}
@@ -190,7 +176,10 @@ func TestDeployFiles(t *testing.T) {
 			found = true
 			env := map[string]string{}
 			for _, e := range c.Env {
-				env[e.Name] = e.Value
+				env[e.Name] = "" // from a Secret (valueFrom)
+				if e.Value != nil {
+					env[e.Name] = *e.Value
+				}
 			}
 			_, port, err := net.SplitHostPort(env["JETBOX_HTTP_ADDR"])
 			if err != nil || port != m.Spec.Template.Metadata.Annotations["prometheus.io/port"] {

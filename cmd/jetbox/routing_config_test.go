@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"os"
 	"strings"
 	"testing"
 
@@ -58,9 +59,16 @@ func TestRoutingConfig(t *testing.T) {
 	}
 }
 
-// parseDefaults fills f with the flags' defaults, as kong would.
+// parseDefaults fills f with the flags' defaults, as kong would, with no
+// JETBOX_* variable of the environment in the way.
 func parseDefaults(t *testing.T, f *RunFlags) {
 	t.Helper()
+	for _, kv := range os.Environ() {
+		if name, _, _ := strings.Cut(kv, "="); strings.HasPrefix(name, "JETBOX_") {
+			t.Setenv(name, "")
+			os.Unsetenv(name)
+		}
+	}
 	var c cli
 	exitCode := -1
 	var stderr strings.Builder

@@ -180,39 +180,19 @@ func testMixedRowsAndMessages(t *testing.T, extra []string) {
 	}
 
 	// Load from two sessions, with two kills; the check stays exact.
-	var wg sync.WaitGroup
-	errs := make(chan error, 2)
-	for w := 0; w < 2; w++ {
-		wg.Add(1)
-		go func(w int) {
-			defer wg.Done()
-			conn, err := pgx.Connect(ctx, f.pg.DSN)
-			if err != nil {
-				errs <- err
-				return
-			}
-			defer conn.Close(context.Background())
-			rng := rand.New(rand.NewPCG(uint64(w), 1))
-			for i := 0; i < 150; i++ {
-				aggs := make([]string, 1+rng.IntN(8))
-				for j := range aggs {
-					aggs[j] = "agg-" + strconv.Itoa(rng.IntN(20))
-				}
-				if err := mixedTx(ctx, conn, rng, aggs); err != nil {
-					errs <- err
-					return
-				}
-			}
-		}(w)
-	}
+	wait := mixedLoad(ctx, f, 1, 150, func(rng *rand.Rand) []string {
+		aggs := make([]string, 1+rng.IntN(8))
+		for j := range aggs {
+			aggs[j] = "agg-" + strconv.Itoa(rng.IntN(20))
+		}
+		return aggs
+	})
 	for _, at := range []int{300, 800} {
 		waitAtLeast(t, f, at, time.Minute)
 		p.kill()
 		p = f.start(env...)
 	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
+	if err := wait(); err != nil {
 		t.Fatal(err)
 	}
 	want = o.events()
@@ -228,6 +208,38 @@ func testMixedRowsAndMessages(t *testing.T, extra []string) {
 	}
 	if code := p.stop(); code != exitOK {
 		t.Fatalf("exit %d", code)
+	}
+}
+
+// mixedLoad runs two writer sessions, each committing txs mixed
+// transactions (mixedTx) of the aggregates aggs returns, seeded by seed; wait
+// returns the first error once both are done.
+func mixedLoad(ctx context.Context, f *fixture, seed uint64, txs int, aggs func(*rand.Rand) []string) (wait func() error) {
+	var wg sync.WaitGroup
+	errs := make(chan error, 2)
+	for w := 0; w < 2; w++ {
+		wg.Add(1)
+		go func(w int) {
+			defer wg.Done()
+			conn, err := pgx.Connect(ctx, f.pg.DSN)
+			if err != nil {
+				errs <- err
+				return
+			}
+			defer conn.Close(context.Background())
+			rng := rand.New(rand.NewPCG(uint64(w), seed))
+			for i := 0; i < txs; i++ {
+				if err := mixedTx(ctx, conn, rng, aggs(rng)); err != nil {
+					errs <- err
+					return
+				}
+			}
+		}(w)
+	}
+	return func() error {
+		wg.Wait()
+		close(errs)
+		return <-errs // nil once closed and empty
 	}
 }
 
@@ -350,39 +362,19 @@ func TestPartitionedConsumers(t *testing.T) {
 		t.Cleanup(cc.Stop)
 	}
 
-	var wg sync.WaitGroup
-	errs := make(chan error, 2)
-	for w := 0; w < 2; w++ {
-		wg.Add(1)
-		go func(w int) {
-			defer wg.Done()
-			conn, err := pgx.Connect(ctx, f.pg.DSN)
-			if err != nil {
-				errs <- err
-				return
-			}
-			defer conn.Close(context.Background())
-			rng := rand.New(rand.NewPCG(uint64(w), 7))
-			for i := 0; i < events/perTx/2; i++ {
-				aggs := make([]string, perTx)
-				for j := range aggs {
-					aggs[j] = "agg-" + strconv.Itoa(rng.IntN(aggregates))
-				}
-				if err := mixedTx(ctx, conn, rng, aggs); err != nil {
-					errs <- err
-					return
-				}
-			}
-		}(w)
-	}
+	wait := mixedLoad(ctx, f, 7, events/perTx/2, func(rng *rand.Rand) []string {
+		aggs := make([]string, perTx)
+		for j := range aggs {
+			aggs[j] = "agg-" + strconv.Itoa(rng.IntN(aggregates))
+		}
+		return aggs
+	})
 	for _, at := range []int{4000, 9000, 14000} {
 		waitAtLeast(t, f, at, time.Minute)
 		p.kill()
 		p = f.start(env...)
 	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
+	if err := wait(); err != nil {
 		t.Fatal(err)
 	}
 	f.waitCount(events, time.Minute)
