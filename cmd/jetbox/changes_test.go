@@ -81,6 +81,7 @@ func TestSchemaChanges(t *testing.T) {
 	log := p.waitExit(exitFailure, `column "aggregate_id" is int4, want text`)
 	// The runbook: move the slot past that transaction and re-insert its rows.
 	lsn := stoppedLine(t, log)["lsn"].(string)
+	f.waitSlotReleased()
 	f.pg.Exec(t, "SELECT pg_replication_slot_advance('jetbox', $1::pg_lsn + 1)", lsn)
 	f.pg.Exec(t, `WITH gone AS (DELETE FROM outbox WHERE id = $1 RETURNING *)
 		INSERT INTO outbox (id, aggregate_type, aggregate_id, kind, payload) SELECT id, aggregate_type, aggregate_id, kind, payload FROM gone`, retyped)

@@ -324,6 +324,30 @@ func (f *fixture) waitStreaming(p *proc) {
 	})
 }
 
+// waitSlotReleased waits until no walsender holds the jetbox slot: after
+// jetbox exits, Postgres ends its walsender a moment later, and until then
+// the slot cannot be advanced or dropped (SQLSTATE 55006).
+func (f *fixture) waitSlotReleased() {
+	f.t.Helper()
+	testenv.WaitFor(f.t, 30*time.Second, func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		conn, err := pgx.Connect(ctx, f.pg.DSN)
+		if err != nil {
+			return err
+		}
+		defer conn.Close(ctx)
+		var active bool
+		if err := conn.QueryRow(ctx, "SELECT coalesce((SELECT active FROM pg_replication_slots WHERE slot_name = 'jetbox'), false)").Scan(&active); err != nil {
+			return err
+		}
+		if active {
+			return errors.New("a walsender still holds the slot")
+		}
+		return nil
+	})
+}
+
 // waitCount waits until the stream holds n messages.
 func (f *fixture) waitCount(n int, timeout time.Duration) {
 	f.t.Helper()

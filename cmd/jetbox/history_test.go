@@ -121,6 +121,7 @@ func TestLostSlotRefused(t *testing.T) {
 			ids := f.insertTx(conn, "kept", 3)
 			f.waitCount(3, 30*time.Second)
 			p.stop()
+			f.waitSlotReleased()
 			f.pg.Exec(t, "SELECT pg_drop_replication_slot('jetbox')")
 			f.insertTx(conn, "lost", 2)
 
