@@ -29,6 +29,7 @@ type Report struct {
 
 	Dedup, ExactlyOnce, Recv, Relay *throughput // catch-up
 	RawID, RawHeaders, RawGuarded   *throughput // raw JetStream publishing
+	RawStream                       *throughput // RawGuarded + Nats-Expected-Stream
 	FastBatch                       *throughput
 	BigTx                           *throughput
 	Steady, RelaySteady, RawSteady  *latencyRun
@@ -141,6 +142,10 @@ func (b *bench) runAll(ctx context.Context, rep *Report) {
 	step("raw publish, jetbox headers and guards", "raw", func() {
 		rep.RawGuarded = b.rawPublish(ctx, "raw async JetStream publish, + Jetbox-* headers and order guard (what jetbox sends, exactly-once)",
 			"RAWGUARD", c.Rows, jetboxGuarded)
+	})
+	step("raw publish, + expected stream", "raw", func() {
+		rep.RawStream = b.rawPublish(ctx, "raw async JetStream publish, those + Nats-Expected-Stream (what jetbox sent before)",
+			"RAWSTREAM", c.Rows, guardedStream)
 	})
 	step("fast batch", "fast-batch", func() { rep.FastBatch = b.fastBatch(ctx, c.Rows) })
 	step("steady jetbox", "steady", func() { b.jetboxSteady(ctx, rep) })
