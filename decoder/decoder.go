@@ -175,6 +175,8 @@ type Decoder struct {
 	commitTime time.Time
 	xid        uint32
 	index      int
+
+	cols []column // splitTuple's storage, reused for every insert
 }
 
 // New returns a decoder for cfg. Call Validate on cfg first.
@@ -292,10 +294,11 @@ func (d *Decoder) decodeInsert(src []byte) (Message, error) {
 	}
 	index := d.index
 	d.index++
-	cols, err := splitTuple(src[5:], rel.ncols)
+	cols, err := splitTuple(d.cols[:0], src[5:], rel.ncols)
 	if err != nil {
 		return Message{}, err
 	}
+	d.cols = cols // reused: the columns alias data, read only during Decode
 	ev := Event{CommitLSN: d.commitLSN, CommitTime: d.commitTime, TxIndex: index, XID: d.xid}
 	if err := rel.fill(&ev, cols, &d.cfg); err != nil {
 		err.LSN, err.TxIndex = d.commitLSN, index
@@ -313,8 +316,9 @@ type column struct {
 	data []byte
 }
 
-// splitTuple parses TupleData with bounds checks, without copying.
-func splitTuple(src []byte, want int) ([]column, error) {
+// splitTuple parses TupleData with bounds checks, without copying, into
+// buf's storage when it is large enough.
+func splitTuple(buf []column, src []byte, want int) ([]column, error) {
 	if len(src) < 2 {
 		return nil, fmt.Errorf("%w: tuple too short", ErrProtocol)
 	}
@@ -322,7 +326,10 @@ func splitTuple(src []byte, want int) ([]column, error) {
 	if n != want {
 		return nil, fmt.Errorf("%w: tuple has %d columns, relation has %d", ErrProtocol, n, want)
 	}
-	cols := make([]column, n)
+	if cap(buf) < n {
+		buf = make([]column, n)
+	}
+	cols := buf[:n]
 	p := 2
 	for i := 0; i < n; i++ {
 		if p >= len(src) {
@@ -330,7 +337,7 @@ func splitTuple(src []byte, want int) ([]column, error) {
 		}
 		kind := src[p]
 		p++
-		cols[i].kind = kind
+		cols[i] = column{kind: kind}
 		switch kind {
 		case 'n', 'u':
 		case 't', 'b':

@@ -42,8 +42,8 @@ const fieldPayloadBase64 = "payload_base64"
 // The relations an envelope is decoded through: its fields play the outbox
 // columns, so the checks, reasons and dead letters are those of a row.
 var (
-	messageRelation       = &relation{name: "message", ncols: 6, outbox: true, id: 0, aggType: 1, aggID: 2, evType: 3, payload: 4, headers: 5}
-	messageRelationBase64 = &relation{name: "message", ncols: 6, outbox: true, id: 0, aggType: 1, aggID: 2, evType: 3, payload: 4, headers: 5, payloadBytea: true}
+	messageRelation       = &relation{name: "message", ncols: 6, outbox: true, id: 0, aggType: 1, aggID: 2, evType: 3, payload: 4, headers: 5, shared: true}
+	messageRelationBase64 = &relation{name: "message", ncols: 6, outbox: true, id: 0, aggType: 1, aggID: 2, evType: 3, payload: 4, headers: 5, payloadBytea: true, shared: true}
 )
 
 func (d *Decoder) decodeMessage(src []byte) (Message, error) {

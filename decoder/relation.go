@@ -18,7 +18,18 @@ type relation struct {
 	id, aggType, aggID, evType, payload, headers int
 	payloadBytea                                 bool
 	problem                                      string // why rows of this relation cannot be decoded
+	// subjects caches the valid subjects by aggregate and event type (most
+	// outboxes have a handful): no validation and no string per event.
+	subjects map[subjectKey]string
+	// shared: one relation value for every decoder (logical decoding
+	// messages); it keeps no cache.
+	shared bool
 }
+
+type subjectKey struct{ aggType, evType string }
+
+// maxSubjects bounds the subject cache of a relation.
+const maxSubjects = 4096
 
 var (
 	textTypes    = map[uint32]bool{oidText: true, oidVarchar: true, oidBpchar: true, oidName: true}
@@ -167,13 +178,31 @@ func (r *relation) fill(ev *Event, cols []column, cfg *Config) *InvalidEventErro
 		return invalid(ReasonTableChanged, "", "table "+r.name+" no longer fits the outbox contract: "+r.problem,
 			"restore the columns (or point the --*-column flags at the new names) and restart jetbox")
 	}
-	raw := func(i int) string {
+	// The four text columns share one allocation.
+	idx := [4]int{r.id, r.aggType, r.aggID, r.evType}
+	n := 0
+	for _, i := range idx {
 		if cols[i].kind == 't' {
-			return string(cols[i].data)
+			n += len(cols[i].data)
 		}
-		return ""
 	}
-	ev.ID, ev.AggregateType, ev.AggregateID, ev.EventType = raw(r.id), raw(r.aggType), raw(r.aggID), raw(r.evType)
+	var b strings.Builder
+	b.Grow(n)
+	for _, i := range idx {
+		if cols[i].kind == 't' {
+			b.Write(cols[i].data)
+		}
+	}
+	all := b.String()
+	var vals [4]string
+	off := 0
+	for k, i := range idx {
+		if cols[i].kind == 't' {
+			vals[k] = all[off : off+len(cols[i].data)]
+			off += len(cols[i].data)
+		}
+	}
+	ev.ID, ev.AggregateType, ev.AggregateID, ev.EventType = vals[0], vals[1], vals[2], vals[3]
 	p := cols[r.payload]
 	if p.kind == 't' && !r.payloadBytea {
 		ev.Payload = append([]byte(nil), p.data...)
@@ -225,15 +254,33 @@ func (r *relation) check(ev *Event, cols []column, cfg *Config) *InvalidEventErr
 				"it is sent as a header, and NATS servers before 2.11 find their own headers by text search: it could hide Nats-Msg-Id (no dedup) or the order guard")
 		}
 	}
-	subject, serr := cfg.subject(ev)
-	if serr != nil {
-		if cfg.Subjects == nil {
-			return invalid(ReasonBadSubject, "", serr.Error(), "aggregate_type and event_type must each be one NATS subject token: no spaces, '.', '*', '>' or control characters")
-		}
-		return invalid(ReasonBadSubject, "", serr.Error(), "every value the subject template "+cfg.Subjects.String()+" uses must be one NATS subject token: no spaces, '.', '*', '>' or control characters")
+	// The historical subjects are cached per aggregate and event type
+	// (validating them costs more than the rest of a row); a template's,
+	// which may hold the aggregate id, are rendered per event.
+	key := subjectKey{ev.AggregateType, ev.EventType}
+	subject, ok := "", false
+	cache := cfg.Subjects == nil && r != nil && !r.shared
+	if cache {
+		subject, ok = r.subjects[key]
 	}
-	if dl := cfg.DeadLetterSubject; dl != "" && strings.HasPrefix(subject, dl+".") {
-		return invalid(ReasonBadSubject, "", fmt.Sprintf("subject %s is inside the dead-letter subjects %s.>", subject, dl), "use another aggregate_type, or another --dead-letter-subject")
+	if !ok {
+		var serr error
+		if subject, serr = cfg.subject(ev); serr != nil {
+			if cfg.Subjects == nil {
+				return invalid(ReasonBadSubject, "", serr.Error(), "aggregate_type and event_type must each be one NATS subject token: no spaces, '.', '*', '>' or control characters")
+			}
+			return invalid(ReasonBadSubject, "", serr.Error(), "every value the subject template "+cfg.Subjects.String()+" uses must be one NATS subject token: no spaces, '.', '*', '>' or control characters")
+		}
+		if dl := cfg.DeadLetterSubject; dl != "" && strings.HasPrefix(subject, dl+".") {
+			return invalid(ReasonBadSubject, "", fmt.Sprintf("subject %s is inside the dead-letter subjects %s.>", subject, dl), "use another aggregate_type, or another --dead-letter-subject")
+		}
+		if cache {
+			if r.subjects == nil || len(r.subjects) >= maxSubjects {
+				r.subjects = make(map[subjectKey]string) // bounded: start over
+			}
+			// Own copies for the key: the event's strings share its id's allocation.
+			r.subjects[subjectKey{strings.Clone(key.aggType), strings.Clone(key.evType)}] = subject
+		}
 	}
 	ev.Subject = subject
 

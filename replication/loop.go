@@ -42,13 +42,18 @@ func (l *loop) run(ctx context.Context) error {
 	if err := l.sendStatus(true); err != nil {
 		return err
 	}
+	// now: the clock, read once per message (twice showed as 2-6% of jetbox's
+	// CPU in catch-up profiles), when the last one arrived. After a handle that
+	// blocked it is stale until the next message, or until the read times
+	// out at once on the deadline (nextStatus) that passed meanwhile.
+	now := l.lastRecv
 	for {
 		if n, err := l.tracker.Failures(); n > 0 {
 			if err := l.republish(ctx, n, err); err != nil {
 				return err
 			}
+			now = time.Now()
 		}
-		now := time.Now()
 		if !now.Before(l.nextStatus) {
 			if err := l.sendStatus(true); err != nil {
 				return err
@@ -74,6 +79,7 @@ func (l *loop) run(ctx context.Context) error {
 				return nil
 			}
 			if pgconn.Timeout(err) {
+				now = time.Now()
 				l.deadline = time.Time{} // the socket may hold a deadline in the past
 				if since := time.Since(l.lastRecv); since > l.s.cfg.Timeout {
 					return fmt.Errorf("no message from postgres for %s (network cut or half-open connection): reconnecting", since.Round(time.Second))
@@ -82,7 +88,8 @@ func (l *loop) run(ctx context.Context) error {
 			}
 			return fmt.Errorf("receive replication message: %w", err)
 		}
-		l.lastRecv = time.Now()
+		now = time.Now()
+		l.lastRecv = now
 		switch m := msg.(type) {
 		case *pgproto3.CopyData:
 			if err := l.handle(ctx, m.Data); err != nil {
@@ -131,7 +138,7 @@ func (l *loop) handle(ctx context.Context, data []byte) error {
 		case decoder.KindEvent:
 			msg.Event.Source = l.source
 			if l.s.cfg.StampDecoded {
-				msg.Event.Decoded = time.Now()
+				msg.Event.Decoded = l.lastRecv // this message's receive time (one clock read per message)
 			}
 			if msg.Event.DeadLetter != nil {
 				l.deadLettered(msg.Event.DeadLetter, msg.Event.Subject)
@@ -193,18 +200,22 @@ func (l *loop) publish(ctx context.Context, ev *decoder.Event) error {
 
 // send publishes one tracked event; every outcome resolves its ticket.
 func (l *loop) send(ticket checkpoint.Ticket, ev *decoder.Event) {
-	id, lsn := ev.ID, ev.CommitLSN
-	wrap := func(err error) error { return fmt.Errorf("publish id=%s (transaction %s): %w", id, lsn, err) }
+	tracker := l.tracker // one allocation per event (the closure): the hot path
 	err := l.sess.Publish(ev, func(err error) {
 		if err == nil {
-			l.tracker.Done(ticket)
+			tracker.Done(ticket)
 		} else {
-			l.tracker.Fail(ticket, wrap(err))
+			tracker.Fail(ticket, publishError(ev, err))
 		}
 	})
 	if err != nil {
-		l.tracker.Fail(ticket, wrap(err))
+		l.tracker.Fail(ticket, publishError(ev, err))
 	}
+}
+
+// publishError names the event a publish of failed.
+func publishError(ev *decoder.Event, err error) error {
+	return fmt.Errorf("publish id=%s (transaction %s): %w", ev.ID, ev.CommitLSN, err)
 }
 
 // deadLetterable returns the invalid-row error in err when dead-lettering

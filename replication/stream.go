@@ -1,9 +1,11 @@
 package replication
 
 import (
+	"bufio"
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"math/rand/v2"
 	"sync/atomic"
 	"time"
@@ -12,6 +14,7 @@ import (
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgproto3"
 	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/jetbox-dev/jetbox/internal/metrics"
 	"github.com/rs/zerolog"
@@ -110,6 +113,11 @@ func replicationConfig(connString string) (*pgconn.Config, error) {
 	if err != nil {
 		return nil, fmt.Errorf("parse postgres URL: %w", err)
 	}
+	// The walsender streams faster than jetbox reads in a catch-up: read
+	// what the socket holds in one syscall, not pgx's 8 KiB at a time.
+	cc.BuildFrontend = func(r io.Reader, w io.Writer) *pgproto3.Frontend {
+		return pgproto3.NewFrontend(bufio.NewReaderSize(r, walReadBuffer), w)
+	}
 	cc.RuntimeParams["replication"] = "database"
 	cc.RuntimeParams["application_name"] = "jetbox"
 	// Text output depends on the walsender session's settings: pin them.
@@ -118,6 +126,9 @@ func replicationConfig(connString string) (*pgconn.Config, error) {
 	}
 	return cc, nil
 }
+
+// walReadBuffer is the read buffer of the walsender connection.
+const walReadBuffer = 64 << 10
 
 // pinnedParams fix the text output of values, for the walsender and for the
 // repair's snapshot connections alike.

@@ -419,6 +419,8 @@ func (s *AtomicSession) publish(batch []batchMsg) error {
 		msgs[i] = batch[i].msg
 	}
 	msgs[0].Header[jetstream.ExpectedLastSeqHeader] = []string{strconv.FormatUint(s.nextSeq, 10)}
+	// All or nothing: the batch's first message speaks for all of it.
+	msgs[0].Header[jetstream.ExpectedStreamHeader] = []string{s.p.cfg.Stream}
 	select {
 	case <-s.p.denied:
 		return s.p.deniedErr
@@ -439,6 +441,9 @@ func (s *AtomicSession) publish(batch []batchMsg) error {
 		if cause := context.Cause(actx); cause != nil && !errors.Is(cause, context.Canceled) {
 			return cause // the connection dropped, or NATS denied the publish
 		}
+		return err
+	}
+	if err := s.p.checkStream(ack.Stream, batch[0].msg.Subject); err != nil {
 		return err
 	}
 	if want := s.nextSeq + uint64(len(batch)); ack.Sequence != want {

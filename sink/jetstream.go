@@ -184,6 +184,10 @@ type Session struct {
 	prevPos Position
 
 	tx txText // the current transaction's header values, formatted once
+	// hdr and vals: the headers of a publish without retries, reused by
+	// the next one (see Publish).
+	hdr  nats.Header
+	vals []string
 
 	// serial (dedup mode with the order guard, no watermark): publish
 	// unguarded, one at a time, until one is stored as new (package doc).
@@ -209,6 +213,7 @@ type pendingAck struct {
 	done      func(error)
 	committed time.Time
 	id        string
+	subject   string
 	pos       Position
 	size      int
 	span      otelSpan // tracing (sink/trace.go); nil when off
@@ -258,7 +263,6 @@ func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
 	if ev.ID == s.prevID && pos != s.prevPos {
 		return duplicateID(ev.ID, pos, fmt.Sprintf("the id repeats the previous row's (transaction %s, row %d) inside the duplicate window: JetStream would drop this row silently", pglogrepl.LSN(s.prevPos.CommitLSN), s.prevPos.TxIndex))
 	}
-	h := s.p.header(ev, &s.tx, 2)
 	var opts []jetstream.PublishOpt
 	// A replay of what the stream held when the session opened goes without
 	// an expected sequence: it is a Duplicate and stores nothing.
@@ -270,17 +274,33 @@ func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
 		}
 		if s.serial {
 			guarded, serial = false, make(chan serialResult, 1)
-			opts = append(opts, jetstream.WithRetryAttempts(0))
+			opts = noRetry
 		}
+	}
+	if guarded {
+		opts = noRetry
+	}
+	var h nats.Header
+	if opts == nil {
+		// nats.go may send it again (a retry after no responders).
+		h = s.p.header(ev, &s.tx, 0)
+	} else {
+		// Without retries nats.go reads the headers only inside
+		// PublishMsgAsync: the session's map and values serve again.
+		if s.hdr == nil {
+			s.hdr = make(nats.Header, 12+len(ev.Headers))
+		}
+		clear(s.hdr)
+		h = s.hdr
+		s.vals = s.p.fillHeader(h, s.vals[:0], ev, &s.tx)
 	}
 	if guarded {
 		// Pipelined: the k-th message in flight expects base+k-1. A
 		// Duplicate PubAck after the watermark stores nothing, so the
 		// messages after it are refused and republished by a new session.
-		h[jetstream.ExpectedLastSeqHeader] = []string{strconv.FormatUint(s.nextSeq, 10)}
-		opts = append(opts, jetstream.WithRetryAttempts(0))
+		s.vals = setHeader(h, s.vals, jetstream.ExpectedLastSeqHeader, strconv.FormatUint(s.nextSeq, 10))
 		if s.idGuard && s.lastID != "" {
-			h[jetstream.ExpectedLastMsgIDHeader] = []string{s.lastID}
+			s.vals = setHeader(h, s.vals, jetstream.ExpectedLastMsgIDHeader, s.lastID)
 		}
 	}
 	span := s.p.startSpan(ev, h) // tracing (sink/trace.go)
@@ -301,9 +321,13 @@ func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
 	if serial != nil {
 		s.serialWait = serial
 	}
-	s.pending <- pendingAck{serial: serial, guarded: guarded, expect: s.nextSeq - 1, fut: fut, done: done, committed: ev.CommitTime, id: ev.ID, pos: pos, size: len(ev.Payload), span: span}
+	s.pending <- pendingAck{serial: serial, guarded: guarded, expect: s.nextSeq - 1, fut: fut, done: done, committed: ev.CommitTime, id: ev.ID, subject: ev.Subject, pos: pos, size: len(ev.Payload), span: span}
 	return nil
 }
+
+// noRetry is the publish option of a guarded or serial publish, built once
+// (not per event): nats.go only reads it.
+var noRetry = []jetstream.PublishOpt{jetstream.WithRetryAttempts(0)}
 
 // waitSerial waits for the outcome of the serial publish in flight: once one
 // is stored as a new message the session turns pipelined and guarded, with
@@ -334,35 +358,63 @@ type txText struct {
 	lsnText, ctime string
 }
 
-// header returns ev's message headers: the row's own, jetbox's, the message
-// id and the expected stream, with room for extra more. tx caches the
-// strings of ev's transaction.
+// header returns ev's message headers: the row's own, jetbox's and the
+// message id, with room for extra more. tx caches the strings of ev's
+// transaction.
+//
+// No Nats-Expected-Stream: the server would scan for it in every message
+// and store it with each. What it protected (an ack from another stream
+// that took over the subjects) is checked on every PubAck's stream instead
+// (see checkStream); resume checks at every session open that the stream
+// still captures the subjects.
 func (p *Publisher) header(ev *decoder.Event, tx *txText, extra int) nats.Header {
+	n := 9 + len(ev.Headers)
+	h := make(nats.Header, n+extra)
+	p.fillHeader(h, make([]string, 0, n), ev, tx)
+	return h
+}
+
+// fillHeader sets ev's headers (see header) in h, their values in vals'
+// storage (one backing array, not a slice per value), and returns vals.
+func (p *Publisher) fillHeader(h nats.Header, vals []string, ev *decoder.Event, tx *txText) []string {
 	// Header keys are set canonical and directly (not through publish
 	// options): the hot path then skips re-canonicalising every key.
-	h := make(nats.Header, 11+extra+len(ev.Headers))
 	for _, uh := range ev.Headers {
-		h[uh.Key] = []string{uh.Value} // keep the producer's spelling (traceparent)
+		vals = setHeader(h, vals, uh.Key, uh.Value) // keep the producer's spelling (traceparent)
 	}
 	if ev.CommitLSN != tx.lsn || tx.lsnText == "" {
 		tx.lsn, tx.lsnText, tx.ctime = ev.CommitLSN, ev.CommitLSN.String(), ev.CommitTime.UTC().Format(CommitTimeLayout)
 	}
-	h[HeaderAggregateType] = []string{ev.AggregateType}
-	h[HeaderAggregateID] = []string{ev.AggregateID}
-	h[HeaderEventType] = []string{ev.EventType}
-	h[HeaderCommitLSN] = []string{tx.lsnText}
-	h[HeaderCommitTime] = []string{tx.ctime}
-	h[HeaderTxIndex] = []string{strconv.Itoa(ev.TxIndex)}
+	vals = setHeader(h, vals, HeaderAggregateType, ev.AggregateType)
+	vals = setHeader(h, vals, HeaderAggregateID, ev.AggregateID)
+	vals = setHeader(h, vals, HeaderEventType, ev.EventType)
+	vals = setHeader(h, vals, HeaderCommitLSN, tx.lsnText)
+	vals = setHeader(h, vals, HeaderCommitTime, tx.ctime)
+	vals = setHeader(h, vals, HeaderTxIndex, strconv.Itoa(ev.TxIndex))
 	if ev.Source != "" {
-		h[HeaderSource] = []string{ev.Source}
+		vals = setHeader(h, vals, HeaderSource, ev.Source)
 	}
 	if p.cfg.IndexScheme != "" {
-		h[HeaderIndexScheme] = []string{p.cfg.IndexScheme}
+		vals = setHeader(h, vals, HeaderIndexScheme, p.cfg.IndexScheme)
 	}
-	h[jetstream.MsgIDHeader] = []string{ev.ID}
-	// An ack from another stream that took over the subjects is an error.
-	h[jetstream.ExpectedStreamHeader] = []string{p.cfg.Stream}
-	return h
+	return setHeader(h, vals, jetstream.MsgIDHeader, ev.ID)
+}
+
+// setHeader sets h[k] to the one value v, stored in vals: the slice is
+// capped at it, so an append to one header never writes into the next.
+func setHeader(h nats.Header, vals []string, k, v string) []string {
+	vals = append(vals, v)
+	h[k] = vals[len(vals)-1 : len(vals) : len(vals)]
+	return vals
+}
+
+// checkStream reports an ack from another stream than jetbox's: one that
+// took over the subjects stored the message (and jetbox's stream did not).
+func (p *Publisher) checkStream(stream, subject string) error {
+	if stream == p.cfg.Stream {
+		return nil
+	}
+	return fmt.Errorf("the PubAck comes from stream %q, not %q: another stream captures %s (changed while jetbox ran?); the event is not confirmed", stream, p.cfg.Stream, subject)
 }
 
 func headerSize(h nats.Header) int {
@@ -461,6 +513,9 @@ func (s *Session) watch() {
 				}
 				return
 			}
+		}
+		if perr == nil {
+			perr = s.p.checkStream(ack.Stream, pa.subject)
 		}
 		if perr != nil {
 			broken = true

@@ -352,3 +352,53 @@ func TestStreamGoneOrChanged(t *testing.T) {
 		t.Fatalf("stream deleted: %v", err)
 	}
 }
+
+// TestAckFromAnotherStream: jetbox sends no Nats-Expected-Stream; a PubAck
+// from another stream that took over the subjects mid-session fails the
+// event (it is not confirmed), and the next session refuses to open.
+func TestAckFromAnotherStream(t *testing.T) {
+	n := testenv.StartNATS(t)
+	cfg := baseConfig()
+	cfg.OrderGuard = false // else the expected sequence alone refuses it
+	p := newPublisher(t, n, cfg)
+	ctx := context.Background()
+	if _, err := p.EnsureStream(ctx); err != nil {
+		t.Fatal(err)
+	}
+	s, err := p.Open(ctx, "test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	errs := make(chan error, 2)
+	if err := s.Publish(event("id-1", "order", "Created"), func(err error) { errs <- err }); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-errs; err != nil {
+		t.Fatal(err)
+	}
+	_, js := n.Connect(t)
+	if _, err := js.UpdateStream(ctx, jetstream.StreamConfig{Name: "OUTBOX", Subjects: []string{"elsewhere.>"}, Storage: jetstream.FileStorage, Duplicates: time.Minute}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: "OTHER", Subjects: []string{"outbox.>"}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Publish(event("id-2", "order", "Paid"), func(err error) { errs <- err }); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-errs; err == nil || !strings.Contains(err.Error(), `PubAck comes from stream "OTHER", not "OUTBOX"`) {
+		t.Fatalf("ack from another stream: %v", err)
+	}
+	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := s.Close(cctx); err != nil {
+		t.Fatal(err)
+	}
+	if st := p.Stats(); st.Published != 1 || st.Errors != 1 {
+		t.Fatalf("stats %+v, want 1 published and 1 error", st)
+	}
+	var pe *sink.PermanentError
+	if _, err := p.Open(ctx, "test"); !errors.As(err, &pe) || !strings.Contains(err.Error(), "no longer capture") {
+		t.Fatalf("next session: %v", err)
+	}
+}

@@ -29,6 +29,7 @@ type Report struct {
 
 	Dedup, ExactlyOnce, Recv, Relay *throughput // catch-up
 	RawID, RawHeaders, RawGuarded   *throughput // raw JetStream publishing
+	RawStream                       *throughput // RawGuarded + Nats-Expected-Stream
 	FastBatch                       *throughput
 	BigTx                           *throughput
 	Steady, RelaySteady, RawSteady  *latencyRun
@@ -40,7 +41,9 @@ type Report struct {
 	SteadyCheck                     error // jetbox's steady-state stream, checked after all steps and start-ups
 	Profiled                        *throughput
 	Traced                          *throughput // --trace
-	ProfilePath                     string
+	ProfilePath                     string      // dedup
+	ProfiledExactly                 *throughput
+	ProfilePathExactly              string
 	ProfileErr                      error
 	cfg                             Config
 }
@@ -107,51 +110,64 @@ func (b *bench) setUp(ctx context.Context) (cleanup func(), err error) {
 // runAll runs the workloads in turn; each records its result in rep.
 func (b *bench) runAll(ctx context.Context, rep *Report) {
 	c := b.cfg
-	step := func(name string, fn func()) {
-		if ctx.Err() == nil {
+	step := func(name, w string, fn func()) {
+		switch {
+		case !c.runs(w):
+		case ctx.Err() == nil:
 			fn()
-		} else {
+		default:
 			b.log.Warn().Str("workload", name).Msg("skipped: interrupted")
 		}
 	}
 	var endLSN string
-	step("catch-up dedup", func() {
+	step("catch-up dedup", "dedup", func() {
 		rep.Dedup, endLSN = b.jetboxCatchup(ctx, "jetbox, --delivery=dedup", newDeployment("catchup", "dedup"),
 			c.Rows, c.TxRows, catchupOpts{recvSlot: "recv"})
 	})
-	step("pg_recvlogical", func() { rep.Recv = b.recvlogical(ctx, newDeployment("catchup", ""), "recv", endLSN, c.Rows) })
-	step("catch-up exactly-once", func() {
+	step("pg_recvlogical", "recv", func() {
+		if rep.Dedup != nil {
+			rep.Recv = b.recvlogical(ctx, newDeployment("catchup", ""), "recv", endLSN, c.Rows)
+		}
+	})
+	step("catch-up exactly-once", "exactly-once", func() {
 		rep.ExactlyOnce, _ = b.jetboxCatchup(ctx, "jetbox, --delivery=exactly-once", newDeployment("exactly", "exactly-once"),
 			c.Rows, c.TxRows, catchupOpts{})
 	})
 	if c.Trace { // beside the other catch-ups, to compare with them
-		step("traced catch-up", func() { rep.Traced = b.tracedCatchup(ctx) })
+		step("traced catch-up", "exactly-once", func() { rep.Traced = b.tracedCatchup(ctx) })
 	}
-	step("polling relay", func() { rep.Relay = b.relayCatchup(ctx, c.Rows, c.TxRows) })
-	step("raw publish", func() {
+	step("polling relay", "relay", func() { rep.Relay = b.relayCatchup(ctx, c.Rows, c.TxRows) })
+	step("raw publish", "raw", func() {
 		rep.RawID = b.rawPublish(ctx, "raw async JetStream publish, Nats-Msg-Id only", "RAW", c.Rows, idOnly)
 	})
-	step("raw publish, jetbox headers", func() {
+	step("raw publish, jetbox headers", "raw", func() {
 		rep.RawHeaders = b.rawPublish(ctx, "raw async JetStream publish, + jetbox's Jetbox-* headers", "RAWHDR", c.Rows, jetboxHeaders)
 	})
-	step("raw publish, jetbox headers and guards", func() {
-		rep.RawGuarded = b.rawPublish(ctx, "raw async JetStream publish, + Jetbox-* headers, expected stream and order guard (what jetbox sends)",
+	step("raw publish, jetbox headers and guards", "raw", func() {
+		rep.RawGuarded = b.rawPublish(ctx, "raw async JetStream publish, + Jetbox-* headers and order guard (what jetbox sends, exactly-once)",
 			"RAWGUARD", c.Rows, jetboxGuarded)
 	})
-	step("fast batch", func() { rep.FastBatch = b.fastBatch(ctx, c.Rows) })
-	step("steady jetbox", func() { b.jetboxSteady(ctx, rep) })
-	step("steady relay", func() {
+	step("raw publish, + expected stream", "raw", func() {
+		rep.RawStream = b.rawPublish(ctx, "raw async JetStream publish, those + Nats-Expected-Stream (what jetbox sent before)",
+			"RAWSTREAM", c.Rows, guardedStream)
+	})
+	step("fast batch", "fast-batch", func() { rep.FastBatch = b.fastBatch(ctx, c.Rows) })
+	step("steady jetbox", "steady", func() { b.jetboxSteady(ctx, rep) })
+	step("steady relay", "steady", func() {
 		if rep.Relay != nil && rep.Relay.Err == nil {
 			rep.RelaySteady = b.relaySteady(ctx)
 		}
 	})
-	step("raw steady", func() { rep.RawSteady = b.rawSteady(ctx) })
+	step("raw steady", "steady", func() { rep.RawSteady = b.rawSteady(ctx) })
 	if c.BigTx > 0 {
-		step("big transaction", func() { rep.BigTx = b.bigTx(ctx, c.BigTx) })
+		step("big transaction", "big-tx", func() { rep.BigTx = b.bigTx(ctx, c.BigTx) })
 	}
-	if c.Profile {
-		step("profile", func() { rep.Profiled, rep.ProfilePath, rep.ProfileErr = b.profiledCatchup(ctx) })
-	}
+	step("profile", "profile", func() {
+		rep.Profiled, rep.ProfilePath, rep.ProfileErr = b.profiledCatchup(ctx, "dedup")
+		if rep.ProfileErr == nil {
+			rep.ProfiledExactly, rep.ProfilePathExactly, rep.ProfileErr = b.profiledCatchup(ctx, "exactly-once")
+		}
+	})
 }
 
 // header describes the machine and the run.

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"io"
 	"os"
 	"strings"
 	"testing"
@@ -144,13 +145,34 @@ func TestBenchSmoke(t *testing.T) {
 			t.Errorf("%s: no rate", tp.Name)
 		}
 	}
-	if rep.Steady == nil || rep.RelaySteady == nil || rep.RawSteady == nil || len(rep.Startups) != 1 || rep.ProfilePath == "" || rep.Traced == nil {
-		t.Fatalf("a workload did not run: steady %v, relay %v, raw %v, start-ups %v, profile %q, traced %v",
-			rep.Steady != nil, rep.RelaySteady != nil, rep.RawSteady != nil, rep.Startups, rep.ProfilePath, rep.Traced != nil)
+	if rep.Steady == nil || rep.RelaySteady == nil || rep.RawSteady == nil || len(rep.Startups) != 1 || rep.ProfilePath == "" || rep.ProfilePathExactly == "" || rep.Traced == nil {
+		t.Fatalf("a workload did not run: steady %v, relay %v, raw %v, start-ups %v, profiles %q %q, traced %v",
+			rep.Steady != nil, rep.RelaySteady != nil, rep.RawSteady != nil, rep.Startups, rep.ProfilePath, rep.ProfilePathExactly, rep.Traced != nil)
 	}
 	for _, want := range []string{"| jetbox, --delivery=dedup |", "| comparison | measured |", "catch-up: jetbox vs pg_recvlogical"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("the report lacks %q", want)
 		}
+	}
+}
+
+func TestOnlyFlag(t *testing.T) {
+	c, err := parseFlags([]string{"--only", "dedup, exactly-once"}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for w, want := range map[string]bool{"dedup": true, "exactly-once": true, "recv": false, "steady": false, "big-tx": false, "profile": false} {
+		if c.runs(w) != want {
+			t.Errorf("--only dedup,exactly-once: runs(%s) = %v", w, !want)
+		}
+	}
+	if c, err = parseFlags([]string{"--only", "profile"}, io.Discard); err != nil || !c.Profile || c.runs("dedup") {
+		t.Errorf("--only profile: %v, profile %v, dedup %v", err, c.Profile, c.runs("dedup"))
+	}
+	if c, err = parseFlags(nil, io.Discard); err != nil || !c.runs("relay") || c.runs("profile") {
+		t.Errorf("no --only: %v, relay %v, profile %v", err, c.runs("relay"), c.runs("profile"))
+	}
+	if _, err := parseFlags([]string{"--only", "dedup,nope"}, io.Discard); err == nil || !strings.Contains(err.Error(), `unknown workload "nope"`) {
+		t.Errorf("--only nope: %v", err)
 	}
 }

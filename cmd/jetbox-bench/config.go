@@ -5,6 +5,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -31,8 +32,9 @@ type Config struct {
 	RelayBatch  int
 	RelayPoll   time.Duration
 	Window      int           // in-flight window of the raw async publish
-	Profile     bool          // an extra, profiled jetbox catch-up (needs jetbox --pprof-addr)
+	Profile     bool          // extra, profiled jetbox catch-ups, one per delivery mode (needs jetbox --pprof-addr)
 	Trace       bool          // an extra jetbox catch-up with tracing on (every event sampled)
+	Only        []string      // run only these workloads (see workloads); empty: all
 	Timeout     time.Duration // bound on each wait for a workload to finish
 }
 
@@ -80,11 +82,19 @@ func parseFlags(args []string, stderr io.Writer) (Config, error) {
 	fs.BoolVar(&c.Profile, "profile", false, "also profile jetbox (CPU, pprof) in an extra catch-up; the profile and the logs stay in the work dir")
 	fs.BoolVar(&c.Trace, "trace", false, "also a catch-up with OpenTelemetry tracing on (every event sampled, OTLP/HTTP to a receiver in the bench), to compare with the exactly-once catch-up")
 	fs.DurationVar(&c.Timeout, "timeout", c.Timeout, "give up on a workload that has not finished within this")
+	only := ""
+	fs.StringVar(&only, "only", "", "run only these workloads, comma-separated, of: "+strings.Join(workloads, ",")+" (recv needs dedup; default: all)")
 	if err := fs.Parse(args); err != nil {
 		return Config{}, err
 	}
 	if fs.NArg() > 0 {
 		return Config{}, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	for _, w := range strings.Split(only, ",") {
+		if w = strings.TrimSpace(w); w != "" {
+			c.Only = append(c.Only, w)
+			c.Profile = c.Profile || w == "profile"
+		}
 	}
 	var err error
 	if c.Rates, err = parseInts(rates); err != nil {
@@ -116,7 +126,23 @@ func (c Config) validate() error {
 	if c.Steady < time.Second || c.Step < time.Second {
 		errs = append(errs, errors.New("--steady and --step must be at least 1s"))
 	}
+	for _, w := range c.Only {
+		if !slices.Contains(workloads, w) {
+			errs = append(errs, fmt.Errorf("--only: unknown workload %q (one of %s)", w, strings.Join(workloads, ",")))
+		}
+	}
 	return errors.Join(errs...)
+}
+
+// workloads are the names --only takes, in the order they run.
+var workloads = []string{"dedup", "recv", "exactly-once", "relay", "raw", "fast-batch", "steady", "big-tx", "profile"}
+
+// runs reports whether workload w is to run.
+func (c Config) runs(w string) bool {
+	if w == "profile" {
+		return c.Profile
+	}
+	return len(c.Only) == 0 || slices.Contains(c.Only, w)
 }
 
 func parseInts(s string) ([]int, error) {

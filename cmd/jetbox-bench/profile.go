@@ -12,15 +12,16 @@ import (
 	"time"
 )
 
-// profiledCatchup repeats the dedup catch-up with jetbox's --pprof-addr on and
-// records a CPU profile of jetbox while it drains the backlog. It is a run of
-// its own so that profiling does not touch the figures of the main runs.
-func (b *bench) profiledCatchup(ctx context.Context) (*throughput, string, error) {
+// profiledCatchup repeats the catch-up in delivery mode with jetbox's
+// --pprof-addr on and records a CPU profile of jetbox while it drains the
+// backlog. It is a run of its own so that profiling does not touch the
+// figures of the main runs.
+func (b *bench) profiledCatchup(ctx context.Context, mode string) (*throughput, string, error) {
 	addr, err := freeAddr()
 	if err != nil {
 		return nil, "", err
 	}
-	path := filepath.Join(b.dir, "jetbox-cpu.pprof")
+	path := filepath.Join(b.dir, "jetbox-cpu-"+mode+".pprof")
 	// Long enough for the whole drain; idle time adds no samples.
 	secs := 2 + b.cfg.Rows/40_000
 	var wg sync.WaitGroup
@@ -32,7 +33,7 @@ func (b *bench) profiledCatchup(ctx context.Context) (*throughput, string, error
 		},
 		beforeStop: wg.Wait, // the profile needs jetbox until it is written
 	}
-	res, _ := b.jetboxCatchup(ctx, "jetbox, --delivery=dedup, under the CPU profiler", newDeployment("profile", "dedup"),
+	res, _ := b.jetboxCatchup(ctx, "jetbox, --delivery="+mode+", under the CPU profiler", newDeployment(map[string]string{"dedup": "profile", "exactly-once": "profilex"}[mode], mode),
 		b.cfg.Rows, b.cfg.TxRows, opts)
 	wg.Wait()
 	if profErr != nil {

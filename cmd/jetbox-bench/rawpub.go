@@ -21,7 +21,8 @@ type headerSet int
 const (
 	idOnly        headerSet = iota // Nats-Msg-Id alone
 	jetboxHeaders                  // the Jetbox-* headers jetbox adds to every event
-	jetboxGuarded                  // those plus the expectations: Nats-Expected-Stream and the order guard
+	jetboxGuarded                  // those plus exactly-once's order guard: the expected last sequence and id
+	guardedStream                  // those plus Nats-Expected-Stream (what jetbox sent on every message before)
 )
 
 // rawMsg builds the i-th raw message: the subject and payload size of the
@@ -40,8 +41,11 @@ func rawMsg(stream, prefix string, i int, payload []byte, set headerSet) *nats.M
 	h[sink.HeaderCommitTime] = []string{time.Now().UTC().Format("2006-01-02T15:04:05.000000000Z")}
 	h[sink.HeaderTxIndex] = []string{strconv.Itoa(i % 100)}
 	h[sink.HeaderSource] = []string{"7441234567890123456/1/bench/jetbox"}
-	if set == jetboxGuarded {
+	if set == guardedStream {
 		h[jetstream.ExpectedStreamHeader] = []string{stream}
+	}
+	if set >= jetboxGuarded {
+		h[jetstream.ExpectedLastSeqHeader] = []string{strconv.Itoa(i)}
 		if i > 0 {
 			h[jetstream.ExpectedLastMsgIDHeader] = []string{rawID(i - 1)}
 		}

@@ -28,7 +28,7 @@ func (r *Report) Failed() bool {
 
 func (r *Report) throughputs() []*throughput {
 	var out []*throughput
-	for _, t := range []*throughput{r.Dedup, r.ExactlyOnce, r.Traced, r.Relay, r.Recv, r.RawID, r.RawHeaders, r.RawGuarded, r.FastBatch, r.BigTx, r.Profiled} {
+	for _, t := range []*throughput{r.Dedup, r.ExactlyOnce, r.Traced, r.Relay, r.Recv, r.RawID, r.RawHeaders, r.RawGuarded, r.RawStream, r.FastBatch, r.BigTx, r.Profiled, r.ProfiledExactly} {
 		if t != nil {
 			out = append(out, t)
 		}
@@ -60,11 +60,16 @@ func (r *Report) Print(w io.Writer) {
 	fmt.Fprintln(w)
 	r.printThroughput(w)
 	fmt.Fprintln(w)
-	r.printLatency(w)
-	fmt.Fprintln(w)
+	if len(r.latencies()) > 0 || len(r.Startups) > 0 || r.StartErr != nil {
+		r.printLatency(w)
+		fmt.Fprintln(w)
+	}
 	r.printComparisons(w)
 	if r.ProfilePath != "" {
 		fmt.Fprintf(w, "\nCPU profile of jetbox during a catch-up: %s (`go tool pprof -top -cum %s %s`)\n", r.ProfilePath, "<jetbox binary>", r.ProfilePath)
+	}
+	if r.ProfilePathExactly != "" {
+		fmt.Fprintf(w, "\nCPU profile of jetbox during an exactly-once catch-up: %s\n", r.ProfilePathExactly)
 	}
 	if r.ProfileErr != nil {
 		fmt.Fprintf(w, "\nprofile: FAILED: %v\n", r.ProfileErr)
@@ -178,7 +183,7 @@ func (r *Report) comparisons() []comparison {
 	ratio("catch-up: jetbox vs the polling relay", r.Dedup, r.Relay)
 	ratio("catch-up: jetbox vs pg_recvlogical", r.Dedup, r.Recv)
 	ratio("catch-up: --delivery=exactly-once vs dedup", r.ExactlyOnce, r.Dedup)
-	ratio("catch-up: jetbox vs publishing the same messages alone (its NATS-side ceiling)", r.Dedup, r.RawGuarded)
+	ratio("catch-up: jetbox (exactly-once) vs publishing the same messages alone (its NATS-side ceiling)", r.ExactlyOnce, r.RawGuarded)
 	add("fast-ingest batch vs async publish (rate; server + client CPU)", r.FastBatch.rate() > 0 && r.RawID.rate() > 0, func() string {
 		return fmt.Sprintf("%.2f×; %s vs %s s", r.FastBatch.rate()/r.RawID.rate(), cpuSecs(r.FastBatch.CPU.NATS+r.FastBatch.CPU.Client),
 			cpuSecs(r.RawID.CPU.NATS+r.RawID.CPU.Client))
