@@ -448,3 +448,37 @@ func TestTableReplaced(t *testing.T) {
 	decode(t, d, beginMsg(0x300, time.Now(), 3))
 	decode(t, d, relationMsg(7, "public", "outbox", outboxCols))
 }
+
+// TestSubjectsPerEvent: the subject cache (per aggregate and event type)
+// serves the historical subjects only; a template holding the aggregate id
+// renders every event's own, and a bad value is refused on every row, not
+// only on the first.
+func TestSubjectsPerEvent(t *testing.T) {
+	tpl, err := ParseTemplate("{prefix}.{aggregate_type}.{aggregate_id}.{event_type}", 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	at := time.Date(2026, 12, 1, 10, 0, 0, 0, time.UTC)
+	for _, c := range []struct {
+		subjects *Template
+		want     []string
+	}{
+		{nil, []string{"outbox.order.OrderCreated", "outbox.order.OrderCreated"}},
+		{tpl, []string{"outbox.order.o-1.OrderCreated", "outbox.order.o-2.OrderCreated"}},
+	} {
+		d := New(Config{Schema: "public", Table: "outbox", Columns: DefaultColumns, SubjectPrefix: "outbox", Subjects: c.subjects})
+		decode(t, d, relationMsg(16384, "public", "outbox", outboxCols))
+		decode(t, d, beginMsg(0x1000, at, 42))
+		for i, agg := range []string{"o-1", "o-2"} {
+			m := decode(t, d, insertMsg(16384, s(id1), s("order"), s(agg), s("OrderCreated"), s(`{}`), nil, nil))
+			if m.Event.Subject != c.want[i] || m.Event.DeadLetter != nil {
+				t.Errorf("template %v, row %d: subject %q, want %q", c.subjects, i, m.Event.Subject, c.want[i])
+			}
+		}
+		for i := 0; i < 2; i++ {
+			if _, err := d.Decode(insertMsg(16384, s(id1), s("bad type"), s("o-1"), s("OrderCreated"), s(`{}`), nil, nil)); err == nil {
+				t.Errorf("template %v: row %d with a bad aggregate_type accepted", c.subjects, i)
+			}
+		}
+	}
+}
