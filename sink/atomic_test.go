@@ -160,10 +160,7 @@ func TestAtomicTransactions(t *testing.T) {
 // flight; Close does not publish a transaction whose end it never saw.
 func TestAtomicFlushWhenStuck(t *testing.T) {
 	n := testenv.StartNATS(t)
-	p := newPublisher(t, n, atomicConfig())
-	if _, err := p.EnsureStream(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	p := streamPublisher(t, n, atomicConfig())
 	s, err := p.OpenAtomic(context.Background(), "test")
 	if err != nil {
 		t.Fatal(err)
@@ -219,10 +216,7 @@ func TestAtomicFlushWhenStuck(t *testing.T) {
 // fails plainly, and nothing of that batch is stored.
 func TestAtomicReplaySkippedAndRepeatedID(t *testing.T) {
 	n := testenv.StartNATS(t)
-	p := newPublisher(t, n, atomicConfig())
-	if _, err := p.EnsureStream(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	p := streamPublisher(t, n, atomicConfig())
 	first := txn(0x3000, "a", 5)
 	for _, err := range atomicRun(t, p, first) {
 		if err != nil {
@@ -346,10 +340,7 @@ func TestAtomicBatchLimitFromServer(t *testing.T) {
 // position and stores the later ones in order.
 func TestAtomicReplayNotBlamedOnARow(t *testing.T) {
 	n := testenv.StartNATS(t)
-	p := newPublisher(t, n, atomicConfig())
-	if _, err := p.EnsureStream(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	p := streamPublisher(t, n, atomicConfig())
 	first := txn(0x5000, "first", 2)
 	for _, err := range atomicRun(t, p, first) {
 		if err != nil {

@@ -88,11 +88,8 @@ func TestReplayWithoutWatermark(t *testing.T) {
 		t.Skip("server test")
 	}
 	n := testenv.StartNATS(t)
-	p := newPublisher(t, n, baseConfig())
+	p := streamPublisher(t, n, baseConfig())
 	ctx := context.Background()
-	if _, err := p.EnsureStream(ctx); err != nil {
-		t.Fatal(err)
-	}
 	var evs []*decoder.Event
 	for i := 0; i < 50; i++ {
 		evs = append(evs, at(event(fmt.Sprint("r-", i), "order", "E"), i))

@@ -25,6 +25,16 @@ func newPublisher(t *testing.T, n *testenv.NATS, cfg sink.Config) *sink.Publishe
 	return p
 }
 
+// streamPublisher is newPublisher with its stream created.
+func streamPublisher(t *testing.T, n *testenv.NATS, cfg sink.Config) *sink.Publisher {
+	t.Helper()
+	p := newPublisher(t, n, cfg)
+	if _, err := p.EnsureStream(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
 func baseConfig() sink.Config {
 	return sink.Config{Stream: "OUTBOX", SubjectPrefix: "outbox", DuplicateWindow: time.Minute,
 		PublishTimeout: 5 * time.Second, MaxPending: 64, OrderGuard: true}
@@ -86,10 +96,7 @@ func TestEnsureStreamCreatesAndChecks(t *testing.T) {
 
 func TestDedupAndHeaders(t *testing.T) {
 	n := testenv.StartNATS(t)
-	p := newPublisher(t, n, baseConfig())
-	if _, err := p.EnsureStream(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	p := streamPublisher(t, n, baseConfig())
 	ev := event("id-1", "order", "Created")
 	ev.Headers = []decoder.Header{{Key: "traceparent", Value: "00-x"}}
 	for _, err := range publishAll(t, p, ev, event("id-2", "order", "Paid")) {
@@ -148,10 +155,7 @@ func TestOrderGuardRefusesAfterALostMessage(t *testing.T) {
 
 func TestTooLargeIsPermanent(t *testing.T) {
 	n := testenv.StartNATS(t, testenv.WithMaxPayload(4096))
-	p := newPublisher(t, n, baseConfig())
-	if _, err := p.EnsureStream(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	p := streamPublisher(t, n, baseConfig())
 	ev := event("big", "order", "E")
 	ev.Payload = make([]byte, 8000)
 	sess, err := p.Open(context.Background(), "test")
@@ -208,10 +212,7 @@ func TestCaptures(t *testing.T) {
 // republish); it must neither panic nor return early.
 func TestSessionCloseConcurrent(t *testing.T) {
 	n := testenv.StartNATS(t)
-	p := newPublisher(t, n, baseConfig())
-	if _, err := p.EnsureStream(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	p := streamPublisher(t, n, baseConfig())
 	s, err := p.Open(context.Background(), "test")
 	if err != nil {
 		t.Fatal(err)
@@ -248,10 +249,7 @@ func TestExactlyOnceRefusesAnotherSource(t *testing.T) {
 	n := testenv.StartNATS(t)
 	cfg := baseConfig()
 	cfg.ExactlyOnce = true
-	p := newPublisher(t, n, cfg)
-	if _, err := p.EnsureStream(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	p := streamPublisher(t, n, cfg)
 	s, err := p.Open(context.Background(), "sys/1/app/jetbox")
 	if err != nil {
 		t.Fatal(err)
@@ -297,10 +295,7 @@ func TestRepeatedIDDetected(t *testing.T) {
 		n := testenv.StartNATS(t)
 		cfg := baseConfig()
 		cfg.OrderGuard = guard
-		p := newPublisher(t, n, cfg)
-		if _, err := p.EnsureStream(context.Background()); err != nil {
-			t.Fatal(err)
-		}
+		p := streamPublisher(t, n, cfg)
 		isDup := func(err error) bool {
 			var ie *decoder.InvalidEventError
 			return errors.As(err, &ie) && ie.Code == decoder.ReasonDuplicateID && strings.Contains(err.Error(), "duplicate window")
@@ -332,11 +327,8 @@ func TestRepeatedIDDetected(t *testing.T) {
 // says what to do.
 func TestStreamGoneOrChanged(t *testing.T) {
 	n := testenv.StartNATS(t)
-	p := newPublisher(t, n, baseConfig())
+	p := streamPublisher(t, n, baseConfig())
 	ctx := context.Background()
-	if _, err := p.EnsureStream(ctx); err != nil {
-		t.Fatal(err)
-	}
 	_, js := n.Connect(t)
 	if _, err := js.UpdateStream(ctx, jetstream.StreamConfig{Name: "OUTBOX", Subjects: []string{"elsewhere.>"}, Storage: jetstream.FileStorage, Duplicates: time.Minute}); err != nil {
 		t.Fatal(err)
@@ -360,11 +352,8 @@ func TestAckFromAnotherStream(t *testing.T) {
 	n := testenv.StartNATS(t)
 	cfg := baseConfig()
 	cfg.OrderGuard = false // else the expected sequence alone refuses it
-	p := newPublisher(t, n, cfg)
+	p := streamPublisher(t, n, cfg)
 	ctx := context.Background()
-	if _, err := p.EnsureStream(ctx); err != nil {
-		t.Fatal(err)
-	}
 	s, err := p.Open(ctx, "test")
 	if err != nil {
 		t.Fatal(err)
