@@ -32,19 +32,17 @@ type Report struct {
 	RawStream                       *throughput // RawGuarded + Nats-Expected-Stream
 	FastBatch                       *throughput
 	BigTx                           *throughput
-	Steady, RelaySteady, RawSteady  *latencyRun
-	Steps                           []latencyRun // knee search after Steady
-	Knee                            int          // latency flat (p99 ≤ --knee-p99) up to this rate; 0: not even at the steady rate
-	Sustained                       int          // the highest rate kept without a growing backlog
-	Startups                        []time.Duration
+	Sweeps                          []*sweep // jetbox's steady state and knee search, per set-up (dedup first)
+	RelaySteady, RawSteady          *latencyRun
+	Startups                        []time.Duration // warm-slot start-ups, after the dedup sweep
 	StartErr                        error
-	SteadyCheck                     error // jetbox's steady-state stream, checked after all steps and start-ups
 	Profiled                        *throughput
 	Traced                          *throughput // --trace
 	ProfilePath                     string      // dedup
 	ProfiledExactly                 *throughput
 	ProfilePathExactly              string
 	ProfileErr                      error
+	Scale                           []scaleRun // --scale
 	cfg                             Config
 }
 
@@ -152,7 +150,11 @@ func (b *bench) runAll(ctx context.Context, rep *Report) {
 			"RAWSTREAM", c.Rows, guardedStream)
 	})
 	step("fast batch", "fast-batch", func() { rep.FastBatch = b.fastBatch(ctx, c.Rows) })
-	step("steady jetbox", "steady", func() { b.jetboxSteady(ctx, rep) })
+	for i, su := range steadySetups {
+		step("steady "+su.name, su.workload, func() {
+			rep.Sweeps = append(rep.Sweeps, b.jetboxSweep(ctx, rep, su.name, su.db, su.delivery, su.env, i == 0))
+		})
+	}
 	step("steady relay", "steady", func() {
 		if rep.Relay != nil && rep.Relay.Err == nil {
 			rep.RelaySteady = b.relaySteady(ctx)
@@ -168,6 +170,7 @@ func (b *bench) runAll(ctx context.Context, rep *Report) {
 			rep.ProfiledExactly, rep.ProfilePathExactly, rep.ProfileErr = b.profiledCatchup(ctx, "exactly-once")
 		}
 	})
+	b.runScale(ctx, rep)
 }
 
 // header describes the machine and the run.

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"io"
 	"os"
 	"strings"
@@ -128,7 +129,8 @@ func TestBenchSmoke(t *testing.T) {
 	cfg.Rows, cfg.BigTx, cfg.Writers, cfg.Starts = 3000, 2000, 4, 1
 	cfg.Steady, cfg.Step, cfg.Rates = 2*time.Second, time.Second, []int{3000}
 	cfg.Profile, cfg.Trace, cfg.Timeout = true, true, time.Minute
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	cfg.Scale, cfg.ScaleRows, cfg.ScalePayloads, cfg.ScaleTx = true, []int{500}, []int{100, 4096}, []int{1, 3500}
+	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
 	defer cancel()
 	rep, err := Run(ctx, cfg, zerolog.New(zerolog.NewTestWriter(t)).With().Timestamp().Logger())
 	if err != nil {
@@ -145,11 +147,15 @@ func TestBenchSmoke(t *testing.T) {
 			t.Errorf("%s: no rate", tp.Name)
 		}
 	}
-	if rep.Steady == nil || rep.RelaySteady == nil || rep.RawSteady == nil || len(rep.Startups) != 1 || rep.ProfilePath == "" || rep.ProfilePathExactly == "" || rep.Traced == nil {
-		t.Fatalf("a workload did not run: steady %v, relay %v, raw %v, start-ups %v, profiles %q %q, traced %v",
-			rep.Steady != nil, rep.RelaySteady != nil, rep.RawSteady != nil, rep.Startups, rep.ProfilePath, rep.ProfilePathExactly, rep.Traced != nil)
+	if len(rep.Sweeps) != len(steadySetups) || rep.RelaySteady == nil || rep.RawSteady == nil || len(rep.Startups) != 1 || rep.ProfilePath == "" || rep.ProfilePathExactly == "" || rep.Traced == nil {
+		t.Fatalf("a workload did not run: sweeps %d, relay %v, raw %v, start-ups %v, profiles %q %q, traced %v",
+			len(rep.Sweeps), rep.RelaySteady != nil, rep.RawSteady != nil, rep.Startups, rep.ProfilePath, rep.ProfilePathExactly, rep.Traced != nil)
 	}
-	for _, want := range []string{"| jetbox, --delivery=dedup |", "| comparison | measured |", "catch-up: jetbox vs pg_recvlogical"} {
+	if len(rep.Scale) != 5 {
+		t.Errorf("%d scaling points, want 5", len(rep.Scale))
+	}
+	for _, want := range []string{"| jetbox, --delivery=dedup |", "| comparison | measured |", "catch-up: jetbox vs pg_recvlogical",
+		"| same rows: floor", "| jetbox, exactly-once --atomic-transactions | 2,000 |", "Catch-up by payload size", "| 4,096 B |"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("the report lacks %q", want)
 		}
@@ -172,7 +178,80 @@ func TestOnlyFlag(t *testing.T) {
 	if c, err = parseFlags(nil, io.Discard); err != nil || !c.runs("relay") || c.runs("profile") {
 		t.Errorf("no --only: %v, relay %v, profile %v", err, c.runs("relay"), c.runs("profile"))
 	}
+	if c, err = parseFlags([]string{"--only", "scale-tx"}, io.Discard); err != nil || !c.runs("scale-tx") || c.runs("scale-rows") || c.runs("dedup") {
+		t.Errorf("--only scale-tx: %v, scale-tx %v, scale-rows %v, dedup %v", err, c.runs("scale-tx"), c.runs("scale-rows"), c.runs("dedup"))
+	}
+	if c, err = parseFlags([]string{"--scale"}, io.Discard); err != nil || !c.runs("scale-rows") || !c.runs("dedup") {
+		t.Errorf("--scale: %v, scale-rows %v, dedup %v", err, c.runs("scale-rows"), c.runs("dedup"))
+	}
+	if c.runs("scale-rows") && (parseFlagsOK(t, nil).runs("scale-rows")) {
+		t.Error("the scaling workloads run without --scale")
+	}
+	if _, err := parseFlags([]string{"--scale-payloads", "10,x", "--rows", "0"}, io.Discard); err == nil ||
+		!strings.Contains(err.Error(), "--scale-payloads") || !strings.Contains(err.Error(), "--rows") {
+		t.Errorf("bad --scale-payloads and --rows: want both reported, got %v", err)
+	}
 	if _, err := parseFlags([]string{"--only", "dedup,nope"}, io.Discard); err == nil || !strings.Contains(err.Error(), `unknown workload "nope"`) {
 		t.Errorf("--only nope: %v", err)
+	}
+}
+
+func parseFlagsOK(t *testing.T, args []string) Config {
+	t.Helper()
+	c, err := parseFlags(args, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// TestSetFloor joins a step's samples with the floor by row and splits the
+// rows above p99.
+func TestSetFloor(t *testing.T) {
+	ms := time.Millisecond
+	var samples []latencySample
+	floor := map[string]time.Duration{}
+	for i := range 200 {
+		id := fmt.Sprint(i)
+		samples = append(samples, latencySample{id: id, consumer: 3 * ms, stored: 2 * ms})
+		floor[id] = ms
+	}
+	samples[199].consumer, samples[199].stored, floor["199"] = 30*ms, 29*ms, 29500*time.Microsecond // slow upstream
+	samples[198].consumer, samples[198].stored = 20*ms, 19*ms                                       // slow in the forwarder
+	var r latencyRun
+	if err := r.setFloor(samples, floor); err != nil {
+		t.Fatal(err)
+	}
+	if r.Floor.N != 200 || r.Beyond.P50 != 2*ms || r.Beyond.Max != 19*ms {
+		t.Errorf("floor %+v, beyond %+v", r.Floor, r.Beyond)
+	}
+	// p99 is the 199th of 200 sorted: 20 ms; only the 30 ms row is above it.
+	if r.Tail.N != 1 || r.Tail.Upstream != 1 || r.Tail.ToFloor != 29500*time.Microsecond {
+		t.Errorf("tail %+v", r.Tail)
+	}
+	delete(floor, "5")
+	if err := r.setFloor(samples, floor); err == nil {
+		t.Error("a row the floor never received is not reported")
+	}
+}
+
+// TestSweepKnee: the knee is the highest rate up to which every step was
+// flat; the sweep stops at the first rate not sustained.
+func TestSweepKnee(t *testing.T) {
+	run := func(rate int, p99 time.Duration) latencyRun {
+		return latencyRun{Rate: rate, Achieved: float64(rate), Stats: latencyStats{P99: p99}}
+	}
+	var sw sweep
+	ms := time.Millisecond
+	for _, r := range []latencyRun{run(2000, ms), run(4000, 20*ms), run(8000, 2*ms)} {
+		if !sw.add(r, 10*ms) {
+			t.Fatalf("rate %d not sustained", r.Rate)
+		}
+	}
+	if sw.Knee != 2000 || sw.Sustained != 8000 {
+		t.Errorf("knee %d, sustained %d; want 2000, 8000", sw.Knee, sw.Sustained)
+	}
+	if sw.add(run(16000, time.Second), 10*ms) {
+		t.Error("a backlog of a second counts as sustained")
 	}
 }

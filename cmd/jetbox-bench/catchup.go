@@ -20,6 +20,7 @@ type catchupOpts struct {
 	env        []string       // extra environment of the measured jetbox
 	onStart    func(*process) // called once the measured jetbox started
 	beforeStop func()         // called before it is stopped
+	payload    int            // payload bytes per row; 0: cfg.PayloadSize
 }
 
 // jetboxCatchup measures jetbox draining a backlog: the slot exists before
@@ -39,7 +40,11 @@ func (b *bench) jetboxCatchup(ctx context.Context, name string, d deployment, ro
 			return res, ""
 		}
 	}
-	if err := b.load(ctx, d.db, rows, txRows); err != nil {
+	payload := b.cfg.PayloadSize
+	if opts.payload > 0 {
+		payload = opts.payload
+	}
+	if err := b.load(ctx, d.db, rows, txRows, payload); err != nil {
 		res.Err = err
 		return res, ""
 	}
@@ -191,7 +196,7 @@ func (b *bench) relayCatchup(ctx context.Context, rows, txRows int) *throughput 
 		res.Err = err
 		return res
 	}
-	if err := b.load(ctx, d.db, rows, txRows); err != nil {
+	if err := b.load(ctx, d.db, rows, txRows, b.cfg.PayloadSize); err != nil {
 		res.Err = err
 		return res
 	}

@@ -14,28 +14,33 @@ import (
 // Config is one benchmark run. The defaults are the full-size run of the
 // benchmark in docs/performance.md; smaller values make a quick smoke run.
 type Config struct {
-	JetboxBin   string // the jetbox binary; empty: built from ./cmd/jetbox
-	NATSBin     string // a nats-server binary; empty: the embedded server in a child process
-	WorkDir     string // empty: a new temp dir, removed at the end
-	Keep        bool   // keep WorkDir whole (logs, profiles, the NATS store); with Profile alone the NATS store goes
-	Rows        int    // catch-up rows
-	TxRows      int    // rows per catch-up transaction
-	PayloadSize int    // bytes of each JSON payload
-	BigTx       int    // rows of the single big transaction; 0 skips it
-	Steady      time.Duration
-	SteadyRate  int           // rows/s of the steady runs (1-row transactions)
-	Rates       []int         // knee search: rates stepped through after the steady run
-	Step        time.Duration // duration of each knee step and of the raw publish→consumer run
-	KneeP99     time.Duration // a knee step passes while its p99 stays at or below this
-	Writers     int           // producer connections
-	Starts      int           // warm-slot start-ups measured
-	RelayBatch  int
-	RelayPoll   time.Duration
-	Window      int           // in-flight window of the raw async publish
-	Profile     bool          // extra, profiled jetbox catch-ups, one per delivery mode (needs jetbox --pprof-addr)
-	Trace       bool          // an extra jetbox catch-up with tracing on (every event sampled)
-	Only        []string      // run only these workloads (see workloads); empty: all
-	Timeout     time.Duration // bound on each wait for a workload to finish
+	JetboxBin     string // the jetbox binary; empty: built from ./cmd/jetbox
+	NATSBin       string // a nats-server binary; empty: the embedded server in a child process
+	WorkDir       string // empty: a new temp dir, removed at the end
+	Keep          bool   // keep WorkDir whole (logs, profiles, the NATS store); with Profile alone the NATS store goes
+	Rows          int    // catch-up rows
+	TxRows        int    // rows per catch-up transaction
+	PayloadSize   int    // bytes of each JSON payload
+	BigTx         int    // rows of the single big transaction; 0 skips it
+	Steady        time.Duration
+	SteadyRate    int           // rows/s of the steady runs (1-row transactions)
+	Rates         []int         // knee search: rates stepped through after the steady run
+	Step          time.Duration // duration of each knee step and of the raw publish→consumer run
+	KneeP99       time.Duration // a knee step passes while its p99 stays at or below this
+	Writers       int           // producer connections
+	Starts        int           // warm-slot start-ups measured
+	RelayBatch    int
+	RelayPoll     time.Duration
+	Window        int           // in-flight window of the raw async publish
+	Profile       bool          // extra, profiled jetbox catch-ups, one per delivery mode (needs jetbox --pprof-addr)
+	Trace         bool          // an extra jetbox catch-up with tracing on (every event sampled)
+	Only          []string      // run only these workloads (see workloads); empty: all but the scaling ones
+	Scale         bool          // also the scaling workloads (scale.go)
+	ScaleRows     []int         // scale-rows: backlog sizes
+	ScalePayloads []int         // scale-payload: payload bytes
+	ScaleTx       []int         // scale-tx: rows per transaction
+	ScaleBytes    int64         // scale-payload: payload bytes per point at most (fewer rows for large payloads)
+	Timeout       time.Duration // bound on each wait for a workload to finish
 }
 
 // defaultConfig is the full-size run.
@@ -45,6 +50,8 @@ func defaultConfig() Config {
 		Steady: 20 * time.Second, SteadyRate: 2000, Rates: []int{4000, 8000, 16000, 32000},
 		Step: 5 * time.Second, KneeP99: 10 * time.Millisecond, Writers: 16, Starts: 3,
 		RelayBatch: 500, RelayPoll: 100 * time.Millisecond, Window: 1024, Timeout: 5 * time.Minute,
+		ScaleRows: []int{200_000, 2_000_000, 10_000_000}, ScalePayloads: []int{100, 1024, 16 << 10, 256 << 10},
+		ScaleTx: []int{1, 100, 10_000, 1_000_000}, ScaleBytes: 512 << 20,
 	}
 }
 
@@ -61,6 +68,7 @@ func parseFlags(args []string, stderr io.Writer) (Config, error) {
 		fs.PrintDefaults()
 	}
 	rates := joinInts(c.Rates)
+	scaleRows, scalePayloads, scaleTx := joinInts(c.ScaleRows), joinInts(c.ScalePayloads), joinInts(c.ScaleTx)
 	fs.StringVar(&c.JetboxBin, "jetbox", "", "jetbox binary to measure (default: go build ./cmd/jetbox)")
 	fs.StringVar(&c.NATSBin, "nats-bin", "", "nats-server binary (default: the embedded server, in a child process)")
 	fs.StringVar(&c.WorkDir, "work-dir", "", "directory for server data, logs and profiles (default: a temp dir, removed at the end)")
@@ -82,6 +90,11 @@ func parseFlags(args []string, stderr io.Writer) (Config, error) {
 	fs.BoolVar(&c.Profile, "profile", false, "also profile jetbox (CPU, pprof) in an extra catch-up; the profile and the logs stay in the work dir")
 	fs.BoolVar(&c.Trace, "trace", false, "also a catch-up with OpenTelemetry tracing on (every event sampled, OTLP/HTTP to a receiver in the bench), to compare with the exactly-once catch-up")
 	fs.DurationVar(&c.Timeout, "timeout", c.Timeout, "give up on a workload that has not finished within this")
+	fs.BoolVar(&c.Scale, "scale", false, "also the scaling workloads ("+strings.Join(scaleWorkloads, ",")+"): catch-ups by backlog, payload and transaction size; long, and up to ~6 GB of disk")
+	fs.StringVar(&scaleRows, "scale-rows", scaleRows, "scale-rows: backlog sizes (rows)")
+	fs.StringVar(&scalePayloads, "scale-payloads", scalePayloads, "scale-payload: payload sizes (bytes)")
+	fs.StringVar(&scaleTx, "scale-tx", scaleTx, "scale-tx: rows per transaction (each point has max(--rows, this) rows)")
+	fs.Int64Var(&c.ScaleBytes, "scale-bytes", c.ScaleBytes, "scale-payload: payload bytes per point at most (min(--rows, this/size) rows)")
 	only := ""
 	fs.StringVar(&only, "only", "", "run only these workloads, comma-separated, of: "+strings.Join(workloads, ",")+" (recv needs dedup; default: all)")
 	if err := fs.Parse(args); err != nil {
@@ -96,9 +109,19 @@ func parseFlags(args []string, stderr io.Writer) (Config, error) {
 			c.Profile = c.Profile || w == "profile"
 		}
 	}
-	var err error
-	if c.Rates, err = parseInts(rates); err != nil {
-		return Config{}, fmt.Errorf("--rates: %w", err)
+	var errs []error
+	for _, l := range []struct {
+		flag string
+		s    string
+		v    *[]int
+	}{{"rates", rates, &c.Rates}, {"scale-rows", scaleRows, &c.ScaleRows}, {"scale-payloads", scalePayloads, &c.ScalePayloads}, {"scale-tx", scaleTx, &c.ScaleTx}} {
+		var err error
+		if *l.v, err = parseInts(l.s); err != nil {
+			errs = append(errs, fmt.Errorf("--%s: %w", l.flag, err))
+		}
+	}
+	if len(errs) > 0 {
+		return Config{}, errors.Join(append(errs, c.validate())...)
 	}
 	return c, c.validate()
 }
@@ -123,24 +146,35 @@ func (c Config) validate() error {
 	if c.BigTx < 0 || c.Starts < 0 {
 		errs = append(errs, errors.New("--big-tx and --starts must not be negative"))
 	}
+	if c.ScaleBytes < 1 {
+		errs = append(errs, errors.New("--scale-bytes must be at least 1"))
+	}
+	for _, p := range c.ScalePayloads {
+		if p < 64 {
+			errs = append(errs, fmt.Errorf("--scale-payloads: %d is under 64 bytes (the payload holds a number and padding)", p))
+		}
+	}
 	if c.Steady < time.Second || c.Step < time.Second {
 		errs = append(errs, errors.New("--steady and --step must be at least 1s"))
 	}
 	for _, w := range c.Only {
-		if !slices.Contains(workloads, w) {
-			errs = append(errs, fmt.Errorf("--only: unknown workload %q (one of %s)", w, strings.Join(workloads, ",")))
+		if !slices.Contains(workloads, w) && !slices.Contains(scaleWorkloads, w) {
+			errs = append(errs, fmt.Errorf("--only: unknown workload %q (one of %s)", w, strings.Join(append(slices.Clone(workloads), scaleWorkloads...), ",")))
 		}
 	}
 	return errors.Join(errs...)
 }
 
 // workloads are the names --only takes, in the order they run.
-var workloads = []string{"dedup", "recv", "exactly-once", "relay", "raw", "fast-batch", "steady", "big-tx", "profile"}
+var workloads = []string{"dedup", "recv", "exactly-once", "relay", "raw", "fast-batch", "steady", "steady-exactly", "steady-atomic", "big-tx", "profile"}
 
 // runs reports whether workload w is to run.
 func (c Config) runs(w string) bool {
-	if w == "profile" {
+	switch {
+	case w == "profile":
 		return c.Profile
+	case slices.Contains(scaleWorkloads, w):
+		return c.Scale || slices.Contains(c.Only, w)
 	}
 	return len(c.Only) == 0 || slices.Contains(c.Only, w)
 }

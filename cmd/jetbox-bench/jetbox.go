@@ -62,10 +62,15 @@ func stopJetbox(p *process) error {
 // slot, the publication and the stream exist before the load (rows committed
 // before the slot existed are not streamed).
 func (b *bench) prime(ctx context.Context, d deployment, ddl string) error {
+	return b.primeWith(ctx, d, ddl, func() (*process, error) { return b.startJetbox(d) })
+}
+
+// primeWith is prime with jetbox started by start.
+func (b *bench) primeWith(ctx context.Context, d deployment, ddl string, start func() (*process, error)) error {
 	if err := b.srv.createDatabase(ctx, d.db, ddl); err != nil {
 		return err
 	}
-	p, err := b.startJetbox(d)
+	p, err := start()
 	if err != nil {
 		return err
 	}

@@ -57,10 +57,16 @@ type latencyConsumer struct {
 	cc jetstream.ConsumeContext
 
 	mu      sync.Mutex
-	samples []time.Duration // send → consumer
-	stored  []time.Duration // send → stored
+	samples []latencySample
 	count   int
 	err     error // the first malformed message
+}
+
+// latencySample is one message's latencies from its send time.
+type latencySample struct {
+	id       string        // Nats-Msg-Id (the outbox id for a forwarder's message)
+	consumer time.Duration // send → consumer
+	stored   time.Duration // send → stored in the stream (server timestamp)
 }
 
 // startLatencyConsumer starts consuming the messages stream stores from now on.
@@ -97,8 +103,7 @@ func (c *latencyConsumer) handle(m jetstream.Msg) {
 		}
 		return
 	}
-	c.samples = append(c.samples, now.Sub(sent))
-	c.stored = append(c.stored, md.Timestamp.Sub(sent))
+	c.samples = append(c.samples, latencySample{id: m.Headers().Get(jetstream.MsgIDHeader), consumer: now.Sub(sent), stored: md.Timestamp.Sub(sent)})
 }
 
 // waitCount waits until the consumer received n messages in all, or timeout passes.
@@ -126,14 +131,13 @@ func (c *latencyConsumer) waitCount(ctx context.Context, n int, timeout time.Dur
 	}
 }
 
-// take returns the latencies recorded so far (to the consumer, to the
-// stream) and starts a new set.
-func (c *latencyConsumer) take() (toConsumer, toStored []time.Duration) {
+// take returns the latencies recorded so far and starts a new set.
+func (c *latencyConsumer) take() []latencySample {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	toConsumer, toStored = c.samples, c.stored
-	c.samples, c.stored = nil, nil
-	return toConsumer, toStored
+	out := c.samples
+	c.samples = nil
+	return out
 }
 
 func (c *latencyConsumer) stop() { c.cc.Stop() }

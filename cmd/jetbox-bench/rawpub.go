@@ -64,6 +64,11 @@ func rawPayload(size int) []byte {
 // into a fresh stream with at most cfg.Window in flight (the way jetbox's sink
 // pipelines), the clock running until every one is acked.
 func (b *bench) rawPublish(ctx context.Context, name, stream string, n int, set headerSet) *throughput {
+	return b.rawPublishSized(ctx, name, stream, n, set, b.cfg.PayloadSize)
+}
+
+// rawPublishSized is rawPublish with payloads of size bytes.
+func (b *bench) rawPublishSized(ctx context.Context, name, stream string, n int, set headerSet, size int) *throughput {
 	res := &throughput{Name: name, Events: n}
 	prefix := strings.ToLower(stream)
 	if err := b.createStream(ctx, stream, prefix, false); err != nil {
@@ -71,7 +76,7 @@ func (b *bench) rawPublish(ctx context.Context, name, stream string, n int, set 
 		return res
 	}
 	b.log.Info().Str("workload", name).Int("messages", n).Msg("publishing")
-	payload := rawPayload(b.cfg.PayloadSize)
+	payload := rawPayload(size)
 	res.Err = b.measurePublish(ctx, res, stream, func() error {
 		return b.publishWindowed(ctx, n, func(i int) *nats.Msg { return rawMsg(stream, prefix, i, payload, set) })
 	})

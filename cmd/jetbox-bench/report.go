@@ -23,7 +23,12 @@ func (r *Report) Failed() bool {
 			return true
 		}
 	}
-	return r.StartErr != nil || r.SteadyCheck != nil || r.ProfileErr != nil
+	for _, sw := range r.Sweeps {
+		if sw.Check != nil {
+			return true
+		}
+	}
+	return r.StartErr != nil || r.ProfileErr != nil
 }
 
 func (r *Report) throughputs() []*throughput {
@@ -33,15 +38,21 @@ func (r *Report) throughputs() []*throughput {
 			out = append(out, t)
 		}
 	}
+	for _, s := range r.Scale {
+		for _, t := range []*throughput{s.Jetbox, s.Raw} {
+			if t != nil {
+				out = append(out, t)
+			}
+		}
+	}
 	return out
 }
 
 func (r *Report) latencies() []latencyRun {
 	var out []latencyRun
-	if r.Steady != nil {
-		out = append(out, *r.Steady)
+	for _, sw := range r.Sweeps {
+		out = append(out, sw.Runs...)
 	}
-	out = append(out, r.Steps...)
 	for _, l := range []*latencyRun{r.RelaySteady, r.RawSteady} {
 		if l != nil {
 			out = append(out, *l)
@@ -65,6 +76,10 @@ func (r *Report) Print(w io.Writer) {
 		fmt.Fprintln(w)
 	}
 	r.printComparisons(w)
+	if len(r.Scale) > 0 {
+		fmt.Fprintln(w)
+		r.printScale(w)
+	}
 	if r.ProfilePath != "" {
 		fmt.Fprintf(w, "\nCPU profile of jetbox during a catch-up: %s (`go tool pprof -top -cum %s %s`)\n", r.ProfilePath, "<jetbox binary>", r.ProfilePath)
 	}
@@ -100,11 +115,9 @@ func (r *Report) printLatency(w io.Writer) {
 			l.cpuShares(), kibibytes(l.MaxUnsent), groupDigits(float64(s.N)), check(l.Err))
 	}
 	fmt.Fprintln(w)
-	if r.Steady != nil {
-		fmt.Fprintln(w, r.kneeText()+"  ")
-	}
-	if r.Steady != nil {
-		fmt.Fprintf(w, "jetbox's steady-state stream (all steps and start-ups): %s.  \n", check(r.SteadyCheck))
+	r.printFloor(w)
+	for _, sw := range r.Sweeps {
+		fmt.Fprintf(w, "%s: %s Its stream after every step%s: %s.  \n", sw.Name, r.kneeText(sw), map[bool]string{true: " and start-up", false: ""}[sw == r.Sweeps[0] && len(r.Startups) > 0], check(sw.Check))
 	}
 	if len(r.Startups) > 0 || r.StartErr != nil {
 		fmt.Fprintf(w, "Start-up to first event stored, warm slot (%d starts): %s", len(r.Startups), durations(r.Startups))
@@ -113,6 +126,36 @@ func (r *Report) printLatency(w io.Writer) {
 		}
 		fmt.Fprintln(w)
 	}
+}
+
+// printFloor sets each sweep step beside the latency floor measured on the
+// same rows (floor.go), and splits the tail.
+func (r *Report) printFloor(w io.Writer) {
+	var runs []latencyRun
+	for _, sw := range r.Sweeps {
+		for _, l := range sw.Runs {
+			if l.Floor.N > 0 {
+				runs = append(runs, l)
+			}
+		}
+	}
+	if len(runs) == 0 {
+		return
+	}
+	fmt.Fprintln(w, "| same rows: floor (INSERT → XLogData at a bare pglogrepl client) vs jetbox (INSERT → consumer) | rows/s | floor p50 / p99 | jetbox p50 / p99 | jetbox − floor, row by row: p50 / p99 / max | jetbox p99 ≤ floor p99 + 1 ms | rows above jetbox's p99: within 1 ms of their floor | their mean time to the floor / floor → stored / stored → consumer |")
+	fmt.Fprintln(w, "|---|--:|--:|--:|--:|---|--:|--:|")
+	for _, l := range runs {
+		within := "yes"
+		if l.Stats.P99 > l.Floor.P99+time.Millisecond {
+			within = "**no**"
+		}
+		t := l.Tail
+		fmt.Fprintf(w, "| %s | %s | %s / %s | %s / %s | %s / %s / %s | %s | %d of %d | %s / %s / %s |\n", l.Name, groupDigits(float64(l.Rate)),
+			millis(l.Floor.P50), millis(l.Floor.P99), millis(l.Stats.P50), millis(l.Stats.P99),
+			millis(l.Beyond.P50), millis(l.Beyond.P99), millis(l.Beyond.Max), within, t.Upstream, t.N,
+			millis(t.ToFloor), millis(t.ToStored), millis(t.ToConsumer))
+	}
+	fmt.Fprintln(w)
 }
 
 // cpuShares is the step's CPU use as percentages of one core.
@@ -128,22 +171,18 @@ func (l latencyRun) cpuShares() string {
 
 // kneeText says up to which rate jetbox's latency stayed flat and which rate
 // it sustained.
-func (r *Report) kneeText() string {
+func (r *Report) kneeText(sw *sweep) string {
 	limit := millis(r.cfg.KneeP99)
 	var s string
-	if r.Knee > 0 {
-		s = fmt.Sprintf("Knee: latency flat (rate kept, p99 ≤ %s) up to %s rows/s", limit, groupDigits(float64(r.Knee)))
+	if sw.Knee > 0 {
+		s = fmt.Sprintf("knee: latency flat (rate kept, p99 ≤ %s) up to %s rows/s", limit, groupDigits(float64(sw.Knee)))
 	} else {
-		s = fmt.Sprintf("Knee: latency not flat even at %s rows/s (p99 above %s)", groupDigits(float64(r.Steady.Rate)), limit)
+		s = fmt.Sprintf("knee: latency not flat even at %s rows/s (p99 above %s)", groupDigits(float64(sw.Runs[0].Rate)), limit)
 	}
-	if r.Sustained > 0 {
-		s += fmt.Sprintf("; rate sustained (kept, p99 < %s: no growing backlog) up to %s rows/s", millis(maxSustainedP99), groupDigits(float64(r.Sustained)))
+	if sw.Sustained > 0 {
+		s += fmt.Sprintf("; rate sustained (kept, p99 < %s: no growing backlog) up to %s rows/s", millis(maxSustainedP99), groupDigits(float64(sw.Sustained)))
 	}
-	last := r.Steady
-	if n := len(r.Steps); n > 0 {
-		last = &r.Steps[n-1]
-	}
-	if last.sustains() {
+	if last := sw.Runs[len(sw.Runs)-1]; last.sustains() {
 		s += ", the highest rate tried"
 	}
 	return s + "."

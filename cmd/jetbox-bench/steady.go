@@ -27,7 +27,22 @@ type latencyRun struct {
 	// MaxUnsent is the most WAL jetbox's walsender had not sent yet during
 	// the step, in bytes (-1: not sampled): a lag upstream of jetbox.
 	MaxUnsent int64
-	Err       error
+	// Floor is INSERT → XLogData received by a bare pglogrepl client on a
+	// slot of its own, for the same rows (floor.go); zero where not measured.
+	Floor  latencyStats
+	Beyond latencyStats // row by row: the forwarder's latency minus the floor's
+	Tail   tailSplit    // where the rows above the forwarder's p99 spent their time
+	Err    error
+}
+
+// tailSplit follows the rows slower than a step's p99 through the pipeline:
+// the mean time each spent before the bare client had it (Postgres: commit,
+// WAL, walsender), from there to stored in the stream (the forwarder and
+// the NATS server), and from stored to the consumer.
+type tailSplit struct {
+	N                             int
+	Upstream                      int // rows whose floor latency was within 1 ms of their whole latency
+	ToFloor, ToStored, ToConsumer time.Duration
 }
 
 // maxSustainedP99 tells a rate the pipeline sustains from one it does not:
@@ -50,8 +65,9 @@ type sender func(ctx context.Context, w int, payload []byte) error
 // steadyLoad drives one consumer's stream with paced senders.
 type steadyLoad struct {
 	b        *bench
-	fwd      *process // the forwarder, measured; nil for the raw publish
-	slot     string   // jetbox's slot, whose walsender's lag is sampled; "" for none
+	fwd      *process     // the forwarder, measured; nil for the raw publish
+	slot     string       // jetbox's slot, whose walsender's lag is sampled; "" for none
+	floor    *floorClient // the latency floor on the same rows; nil for none
 	consumer *latencyConsumer
 	send     sender
 	sent     int    // messages sent since the consumer started
@@ -79,20 +95,77 @@ func (l *steadyLoad) step(ctx context.Context, name string, rate int, d time.Dur
 	if err == nil {
 		err = l.consumer.waitCount(ctx, l.sent, l.b.cfg.Timeout)
 	}
+	if err == nil && l.floor != nil {
+		err = l.floor.waitCount(ctx, l.sent, l.b.cfg.Timeout)
+	}
 	cpu, cpuErr := m.read(l.fwd, true)
 	maxUnsent := int64(-1)
 	if lag != nil {
 		maxUnsent = lag.finish()
 	}
-	toConsumer, toStored := l.consumer.take()
-	run := latencyRun{Name: name, Rate: rate, Stats: summarize(toConsumer), Stored: summarize(toStored), CPU: cpu,
-		Wall: time.Since(began), MaxUnsent: maxUnsent, Err: errors.Join(err, cpuErr)}
+	samples := l.consumer.take()
+	run := latencyRun{Name: name, Rate: rate, CPU: cpu, Wall: time.Since(began), MaxUnsent: maxUnsent, Err: errors.Join(err, cpuErr)}
+	if l.floor != nil {
+		floor := l.floor.take()
+		if run.Err == nil {
+			run.Err = run.setFloor(samples, floor)
+		}
+	}
+	toConsumer, toStored := make([]time.Duration, len(samples)), make([]time.Duration, len(samples))
+	for i, s := range samples {
+		toConsumer[i], toStored[i] = s.consumer, s.stored
+	}
+	run.Stats, run.Stored = summarize(toConsumer), summarize(toStored)
 	if elapsed > 0 {
 		run.Achieved = float64(sent) / elapsed.Seconds()
 	}
 	l.b.log.Info().Str("workload", name).Float64("achieved", run.Achieved).Stringer("p50", run.Stats.P50).
-		Stringer("p99", run.Stats.P99).Stringer("p99_stored", run.Stored.P99).Err(err).Msg("steady state done")
+		Stringer("p99", run.Stats.P99).Stringer("p99_stored", run.Stored.P99).Stringer("p99_floor", run.Floor.P99).
+		Stringer("p99_beyond_floor", run.Beyond.P99).Err(err).Msg("steady state done")
 	return run
+}
+
+// setFloor joins the step's samples with the floor's latencies of the same
+// rows (by outbox id): the floor's percentiles, the forwarder's latency
+// beyond it row by row, and the split of the rows above the step's p99.
+func (r *latencyRun) setFloor(samples []latencySample, floor map[string]time.Duration) error {
+	floors := make([]time.Duration, 0, len(floor))
+	for _, d := range floor {
+		floors = append(floors, d)
+	}
+	r.Floor = summarize(floors)
+	beyond := make([]time.Duration, len(samples))
+	total := make([]time.Duration, len(samples))
+	for i, s := range samples {
+		f, ok := floor[s.id]
+		if !ok {
+			return fmt.Errorf("the floor client never received row %s", s.id)
+		}
+		beyond[i], total[i] = s.consumer-f, s.consumer
+	}
+	r.Beyond = summarize(beyond)
+	p99 := summarize(total).P99
+	var t tailSplit
+	for _, s := range samples {
+		if s.consumer <= p99 {
+			continue
+		}
+		f := floor[s.id]
+		t.N++
+		if s.consumer-f <= time.Millisecond {
+			t.Upstream++
+		}
+		t.ToFloor += f
+		t.ToStored += s.stored - f
+		t.ToConsumer += s.consumer - s.stored
+	}
+	if t.N > 0 {
+		t.ToFloor /= time.Duration(t.N)
+		t.ToStored /= time.Duration(t.N)
+		t.ToConsumer /= time.Duration(t.N)
+	}
+	r.Tail = t
+	return nil
 }
 
 // warmUp sends one message per writer (connections and prepared statements
@@ -106,6 +179,10 @@ func (l *steadyLoad) warmUp(ctx context.Context) error {
 	l.sent += l.b.cfg.Writers
 	err := l.consumer.waitCount(ctx, l.sent, l.b.cfg.Timeout)
 	l.consumer.take()
+	if err == nil && l.floor != nil {
+		err = l.floor.waitCount(ctx, l.sent, l.b.cfg.Timeout)
+		l.floor.take()
+	}
 	return err
 }
 
@@ -199,65 +276,85 @@ func (ws sqlWriters) send(ctx context.Context, w int, payload []byte) error {
 	return nil
 }
 
-// jetboxSteady runs jetbox at cfg.SteadyRate for cfg.Steady, then steps
-// through cfg.Rates until a step no longer keeps up (the knee), then times
-// warm-slot start-ups, and finally checks the stream (every row once, in
-// commit order).
-func (b *bench) jetboxSteady(ctx context.Context, rep *Report) {
-	d := newDeployment("steady", "dedup")
-	fail := func(err error) { rep.Steady = &latencyRun{Name: "jetbox", Rate: b.cfg.SteadyRate, Err: err} }
-	if err := b.prime(ctx, d, decoder.OutboxDDL); err != nil {
-		fail(fmt.Errorf("prime: %w", err))
-		return
+// sweep is one jetbox set-up's steady-state run and knee search, with the
+// latency floor measured on the same rows.
+type sweep struct {
+	Name      string
+	Runs      []latencyRun // the steady run at cfg.SteadyRate, then one per knee step
+	Knee      int          // latency flat (p99 ≤ --knee-p99) up to this rate; 0: not even at the steady rate
+	Sustained int          // the highest rate kept without a growing backlog
+	Check     error        // the stream after the sweep (and the start-ups): every row once, in commit order
+}
+
+// add records run and reports whether the sweep goes on (the rate was
+// sustained).
+func (s *sweep) add(run latencyRun, kneeP99 time.Duration) bool {
+	flat := run.flat(kneeP99) && (len(s.Runs) == 0 || s.Knee == s.Runs[len(s.Runs)-1].Rate)
+	s.Runs = append(s.Runs, run)
+	if flat {
+		s.Knee = run.Rate
+	}
+	if run.sustains() {
+		s.Sustained = run.Rate
+	}
+	return run.sustains()
+}
+
+// steadySetups are the jetbox set-ups swept, by workload name.
+var steadySetups = []struct {
+	workload, name, db, delivery string
+	env                          []string
+}{
+	{"steady", "jetbox, --delivery=dedup", "steady", "dedup", nil},
+	{"steady-exactly", "jetbox, --delivery=exactly-once", "steadyeo", "exactly-once", nil},
+	{"steady-atomic", "jetbox, exactly-once --atomic-transactions", "steadyatomic", "exactly-once", []string{"JETBOX_ATOMIC_TRANSACTIONS=true"}},
+}
+
+// jetboxSweep runs jetbox (delivery, env) at cfg.SteadyRate for cfg.Steady,
+// then steps through cfg.Rates until a step no longer keeps up (the knee),
+// with the latency floor streaming the same rows beside it. With startups
+// it then times warm-slot start-ups (into rep). Finally it checks the
+// stream: every row once, in commit order.
+func (b *bench) jetboxSweep(ctx context.Context, rep *Report, name, db, delivery string, env []string, startups bool) *sweep {
+	sw := &sweep{Name: name}
+	d := newDeployment(db, delivery)
+	fail := func(err error) *sweep {
+		sw.Runs = append(sw.Runs, latencyRun{Name: name, Rate: b.cfg.SteadyRate, Err: err})
+		return sw
+	}
+	start := func() (*process, error) { return b.startJetbox(d, env...) }
+	if err := b.primeWith(ctx, d, decoder.OutboxDDL, start); err != nil {
+		return fail(fmt.Errorf("prime: %w", err))
 	}
 	ws, err := b.openWriters(ctx, d.db)
 	if err != nil {
-		fail(err)
-		return
+		return fail(err)
 	}
 	defer ws.close()
-	load, stop, err := b.startSQLLoad(ctx, d, ws, func() (*process, error) { return b.startJetbox(d) }, true)
+	load, stop, err := b.startSQLLoad(ctx, d, ws, start, true)
 	if err != nil {
-		fail(err)
-		return
+		return fail(err)
 	}
 	defer load.consumer.stop()
+	defer load.floor.stop()
 	load.slot = d.slot
-	run := load.step(ctx, "jetbox", b.cfg.SteadyRate, b.cfg.Steady)
-	rep.Steady = &run
-	b.stepUp(ctx, rep, load, run)
+	if sw.add(load.step(ctx, name, b.cfg.SteadyRate, b.cfg.Steady), b.cfg.KneeP99) {
+		for _, rate := range b.cfg.Rates {
+			if ctx.Err() != nil || !sw.add(load.step(ctx, name, rate, b.cfg.Step), b.cfg.KneeP99) {
+				break
+			}
+		}
+	}
+	load.floor.stop()
 	if err := stop(); err != nil {
-		rep.SteadyCheck = err
-		return
+		sw.Check = err
+		return sw
 	}
-	rep.Startups, rep.StartErr = b.startups(ctx, d, ws, load)
-	rep.SteadyCheck = b.verify(ctx, d.db, d.stream, true)
-}
-
-// stepUp steps jetbox's load through cfg.Rates after the steady run, while
-// the pipeline sustains the rate, and records the knee: the highest rate up
-// to which every step kept p99 ≤ cfg.KneeP99, and the highest sustained rate.
-func (b *bench) stepUp(ctx context.Context, rep *Report, load *steadyLoad, last latencyRun) {
-	flat := last.flat(b.cfg.KneeP99)
-	if flat {
-		rep.Knee = last.Rate
+	if startups {
+		rep.Startups, rep.StartErr = b.startups(ctx, d, ws, load)
 	}
-	if last.sustains() {
-		rep.Sustained = last.Rate
-	}
-	for _, rate := range b.cfg.Rates {
-		if !last.sustains() || ctx.Err() != nil {
-			return
-		}
-		last = load.step(ctx, "jetbox", rate, b.cfg.Step)
-		rep.Steps = append(rep.Steps, last)
-		if flat = flat && last.flat(b.cfg.KneeP99); flat {
-			rep.Knee = rate
-		}
-		if last.sustains() {
-			rep.Sustained = rate
-		}
-	}
+	sw.Check = b.verify(ctx, d.db, d.stream, true)
+	return sw
 }
 
 // startSQLLoad starts a forwarder with start (waiting until jetbox streams,
@@ -282,11 +379,21 @@ func (b *bench) startSQLLoad(ctx context.Context, d deployment, ws sqlWriters, s
 	}
 	n, err := b.streamMsgs(ctx, d.stream)
 	if err != nil {
+		c.stop()
 		p.kill()
 		return nil, nil, err
 	}
 	load := &steadyLoad{b: b, fwd: p, consumer: c, send: ws.send, base: n}
+	if streams { // a logical forwarder: measure the floor beside it
+		if load.floor, err = b.startFloor(ctx, d.db, "jetbox"); err != nil {
+			c.stop()
+			p.kill()
+			return nil, nil, err
+		}
+	}
 	if err := load.warmUp(ctx); err != nil {
+		load.floor.stop()
+		c.stop()
 		p.kill()
 		return nil, nil, fmt.Errorf("warm up: %w", err)
 	}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"os"
 	"runtime/debug"
@@ -23,12 +24,30 @@ import (
 	"github.com/rs/zerolog"
 )
 
+// memoryLimit is jetbox's default soft memory limit (GOMEMLIMIT overrides
+// it): a base for the runtime, the decoder and the connections, and twice
+// the payload bytes the window may hold (each in flight once as an event,
+// once in NATS' buffers); 48 MiB at the default 16 MiB window.
+func memoryLimit(maxInFlightBytes int) int64 {
+	const base = 16 << 20
+	if maxInFlightBytes <= 0 {
+		return math.MaxInt64 // no bound on the window: no limit either
+	}
+	return base + 2*int64(maxInFlightBytes)
+}
+
 // run is `jetbox run`: preflight both sides, then stream until ctx ends.
 func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 	if os.Getenv("GOGC") == "" {
 		// The heap is small and bounded by the window: trade a little memory
 		// for fewer GC cycles (measured in docs/performance.md).
 		debug.SetGCPercent(200)
+	}
+	if os.Getenv("GOMEMLIMIT") == "" {
+		// A soft limit for the heap the window holds at most: with large
+		// payloads GC works harder instead of the heap growing to three times
+		// what is live (docs/performance.md, the payload table).
+		debug.SetMemoryLimit(memoryLimit(cfg.Replication.MaxInFlightBytes))
 	}
 	log := newLogger(cfg, stdout)
 	delivery := "dedup"

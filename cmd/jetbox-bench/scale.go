@@ -1,0 +1,159 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// scaleRun is one point of the scaling tables: a jetbox catch-up
+// (exactly-once, the default delivery) at one size of the work, and for the
+// payload sizes raw publishing of the same messages beside it.
+type scaleRun struct {
+	Kind    string // scaleRows, scalePayload or scaleTx
+	Rows    int
+	TxRows  int
+	Payload int
+	Jetbox  *throughput
+	Raw     *throughput // scalePayload only
+}
+
+const (
+	scaleRows    = "scale-rows"
+	scalePayload = "scale-payload"
+	scaleTx      = "scale-tx"
+)
+
+// scaleWorkloads run only when asked for (--scale, or by name in --only):
+// they take long and need disk (10,000,000 rows are about 6 GB of stream).
+var scaleWorkloads = []string{scaleRows, scalePayload, scaleTx}
+
+// runScale runs the scaling workloads asked for, each point on a deployment
+// of its own that is removed afterwards (stream, slot, database) to free disk.
+func (b *bench) runScale(ctx context.Context, rep *Report) {
+	c := b.cfg
+	point := func(kind string, rows, txRows, payload int) {
+		if ctx.Err() != nil {
+			return
+		}
+		run := scaleRun{Kind: kind, Rows: rows, TxRows: txRows, Payload: payload}
+		d := newDeployment(fmt.Sprintf("%s_%d_%d_%d", strings.ReplaceAll(kind, "-", "_"), rows, txRows, payload), "exactly-once")
+		name := fmt.Sprintf("jetbox, %s rows in transactions of %s, %s-byte payloads", groupDigits(float64(rows)), groupDigits(float64(txRows)), groupDigits(float64(payload)))
+		run.Jetbox, _ = b.jetboxCatchup(ctx, name, d, rows, txRows, catchupOpts{payload: payload})
+		b.drop(ctx, d)
+		if kind == scalePayload {
+			stream := strings.ToUpper(fmt.Sprintf("rawsize%d", payload))
+			run.Raw = b.rawPublishSized(ctx, "raw async publish, "+groupDigits(float64(payload))+" B", stream, rows, jetboxGuarded, payload)
+			if err := b.srv.js.DeleteStream(ctx, stream); err != nil {
+				b.log.Warn().Err(err).Str("stream", stream).Msg("delete stream")
+			}
+		}
+		rep.Scale = append(rep.Scale, run)
+	}
+	if c.runs(scaleRows) {
+		for _, rows := range c.ScaleRows {
+			point(scaleRows, rows, c.TxRows, c.PayloadSize)
+		}
+	}
+	if c.runs(scalePayload) {
+		for _, size := range c.ScalePayloads {
+			rows := max(1, min(c.Rows, int(c.ScaleBytes/int64(size))))
+			point(scalePayload, rows, c.TxRows, size)
+		}
+	}
+	if c.runs(scaleTx) {
+		for _, tx := range c.ScaleTx {
+			point(scaleTx, max(c.Rows, tx), tx, c.PayloadSize)
+		}
+	}
+}
+
+// drop removes deployment d: its stream, slot and database.
+func (b *bench) drop(ctx context.Context, d deployment) {
+	if err := b.srv.js.DeleteStream(ctx, d.stream); err != nil {
+		b.log.Warn().Err(err).Str("stream", d.stream).Msg("delete stream")
+	}
+	conn, err := pgx.Connect(ctx, b.srv.dsn("postgres"))
+	if err != nil {
+		b.log.Warn().Err(err).Msg("drop deployment")
+		return
+	}
+	defer conn.Close(context.Background())
+	// The stopped forwarder's walsender may take a moment to exit.
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		_, err = conn.Exec(ctx, "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1", d.slot)
+		if err == nil || time.Now().After(deadline) || ctx.Err() != nil {
+			break
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+	if err == nil {
+		_, err = conn.Exec(ctx, "DROP DATABASE "+pgx.Identifier{d.db}.Sanitize()+" WITH (FORCE)")
+	}
+	if err != nil {
+		b.log.Warn().Err(err).Str("database", d.db).Msg("drop deployment")
+	}
+}
+
+// printScale writes the scaling tables.
+func (r *Report) printScale(w io.Writer) {
+	table := func(kind, title, head, sep string, row func(s scaleRun) string) {
+		var rows []string
+		for _, s := range r.Scale {
+			if s.Kind == kind {
+				rows = append(rows, row(s))
+			}
+		}
+		if len(rows) == 0 {
+			return
+		}
+		fmt.Fprintf(w, "%s\n\n%s\n%s\n%s\n\n", title, head, sep, strings.Join(rows, "\n"))
+	}
+	mbps := func(t *throughput, payload int) string {
+		if t.rate() <= 0 {
+			return "—"
+		}
+		return fmt.Sprintf("%.1f", t.rate()*float64(payload)/1e6)
+	}
+	table(scaleRows, "Catch-up by backlog size (exactly-once):",
+		"| rows | transactions of | events/s | elapsed | jetbox CPU µs/event | jetbox peak RSS | check |", "|--:|--:|--:|--:|--:|--:|---|",
+		func(s scaleRun) string {
+			t := s.Jetbox
+			return fmt.Sprintf("| %s | %s | %s | %s | %s | %s | %s |", groupDigits(float64(s.Rows)), groupDigits(float64(s.TxRows)), groupDigits(t.rate()),
+				seconds(t.Elapsed), micros(t.CPU.Forwarder/time.Duration(max(1, t.Events))), mebibytes(t.RSS), check(t.Err))
+		})
+	table(scalePayload, "Catch-up by payload size (exactly-once), beside raw async publishing of the same messages (same headers and order guard):",
+		"| payload | rows | jetbox events/s | jetbox payload MB/s | raw events/s | raw payload MB/s | jetbox / raw | jetbox peak RSS | check |", "|--:|--:|--:|--:|--:|--:|--:|--:|---|",
+		func(s scaleRun) string {
+			t, raw := s.Jetbox, s.Raw
+			ratio := "—"
+			if t.rate() > 0 && raw.rate() > 0 {
+				ratio = fmt.Sprintf("%.2f×", t.rate()/raw.rate())
+			}
+			return fmt.Sprintf("| %s B | %s | %s | %s | %s | %s | %s | %s | %s |", groupDigits(float64(s.Payload)), groupDigits(float64(s.Rows)),
+				groupDigits(t.rate()), mbps(t, s.Payload), groupDigits(raw.rate()), mbps(raw, s.Payload), ratio, mebibytes(t.RSS), check(firstErr(t.Err, raw.Err)))
+		})
+	table(scaleTx, "Catch-up by transaction size (exactly-once):",
+		"| rows per transaction | rows | events/s | elapsed | jetbox peak RSS | check |", "|--:|--:|--:|--:|--:|---|",
+		func(s scaleRun) string {
+			t := s.Jetbox
+			return fmt.Sprintf("| %s | %s | %s | %s | %s | %s |", groupDigits(float64(s.TxRows)), groupDigits(float64(s.Rows)), groupDigits(t.rate()),
+				seconds(t.Elapsed), mebibytes(t.RSS), check(t.Err))
+		})
+}
+
+func firstErr(errs ...error) error {
+	for _, err := range errs {
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
