@@ -219,7 +219,7 @@ func TestSetFloor(t *testing.T) {
 	samples[199].consumer, samples[199].stored, floor["199"] = 30*ms, 29*ms, 29500*time.Microsecond // slow upstream
 	samples[198].consumer, samples[198].stored = 20*ms, 19*ms                                       // slow in the forwarder
 	var r latencyRun
-	if err := r.setFloor(samples, floor); err != nil {
+	if err := r.setFloor(samples, floor, nil); err != nil {
 		t.Fatal(err)
 	}
 	if r.Floor.N != 200 || r.Beyond.P50 != 2*ms || r.Beyond.Max != 19*ms {
@@ -229,8 +229,20 @@ func TestSetFloor(t *testing.T) {
 	if r.Tail.N != 1 || r.Tail.Upstream != 1 || r.Tail.ToFloor != 29500*time.Microsecond {
 		t.Errorf("tail %+v", r.Tail)
 	}
+	// jetbox's span of the slow forwarder row starts 1 ms after the floor had it.
+	base := time.Unix(1000, 0)
+	for i := range samples {
+		samples[i].sent = base
+	}
+	spans := map[string]spanTimes{"198": {start: base.Add(2 * ms)}, "199": {start: base.Add(29600 * time.Microsecond)}}
+	if err := r.setFloor(samples, floor, spans); err != nil {
+		t.Fatal(err)
+	}
+	if r.Behind.N != 2 || r.Behind.Max != ms || r.Own.Max != 17*ms || r.Tail.Traced != 1 || r.Tail.ToReceived != 100*time.Microsecond {
+		t.Errorf("behind %+v, own %+v, tail %+v", r.Behind, r.Own, r.Tail)
+	}
 	delete(floor, "5")
-	if err := r.setFloor(samples, floor); err == nil {
+	if err := r.setFloor(samples, floor, nil); err == nil {
 		t.Error("a row the floor never received is not reported")
 	}
 }

@@ -65,6 +65,7 @@ type latencyConsumer struct {
 // latencySample is one message's latencies from its send time.
 type latencySample struct {
 	id       string        // Nats-Msg-Id (the outbox id for a forwarder's message)
+	sent     time.Time     // the send time in the payload
 	consumer time.Duration // send → consumer
 	stored   time.Duration // send → stored in the stream (server timestamp)
 }
@@ -103,7 +104,7 @@ func (c *latencyConsumer) handle(m jetstream.Msg) {
 		}
 		return
 	}
-	c.samples = append(c.samples, latencySample{id: m.Headers().Get(jetstream.MsgIDHeader), consumer: now.Sub(sent), stored: md.Timestamp.Sub(sent)})
+	c.samples = append(c.samples, latencySample{id: m.Headers().Get(jetstream.MsgIDHeader), sent: sent, consumer: now.Sub(sent), stored: md.Timestamp.Sub(sent)})
 }
 
 // waitCount waits until the consumer received n messages in all, or timeout passes.

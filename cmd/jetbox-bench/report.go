@@ -152,8 +152,26 @@ func (r *Report) printFloor(w io.Writer) {
 		t := l.Tail
 		fmt.Fprintf(w, "| %s | %s | %s / %s | %s / %s | %s / %s / %s | %s | %d of %d | %s / %s / %s |\n", l.Name, groupDigits(float64(l.Rate)),
 			millis(l.Floor.P50), millis(l.Floor.P99), millis(l.Stats.P50), millis(l.Stats.P99),
-			millis(l.Beyond.P50), millis(l.Beyond.P99), millis(l.Beyond.Max), within, t.Upstream, t.N,
-			millis(t.ToFloor), millis(t.ToStored), millis(t.ToConsumer))
+			signedMillis(l.Beyond.P50), signedMillis(l.Beyond.P99), signedMillis(l.Beyond.Max), within, t.Upstream, t.N,
+			millis(t.ToFloor), signedMillis(t.ToStored), signedMillis(t.ToConsumer))
+	}
+	fmt.Fprintln(w)
+	var traced []latencyRun
+	for _, l := range runs {
+		if l.Own.N > 0 {
+			traced = append(traced, l)
+		}
+	}
+	if len(traced) == 0 {
+		return
+	}
+	fmt.Fprintln(w, "| traced (--trace: jetbox's publish span of each row) | rows/s | rows traced | floor → jetbox received (its walsender, the socket): p50 / p99 / max | jetbox received → stored (jetbox + NATS): p50 / p99 / max | rows above jetbox's p99: mean to the floor / floor → jetbox / jetbox → stored / stored → consumer |")
+	fmt.Fprintln(w, "|---|--:|--:|--:|--:|--:|")
+	for _, l := range traced {
+		t := l.Tail
+		fmt.Fprintf(w, "| %s | %s | %s | %s / %s / %s | %s / %s / %s | %s / %s / %s / %s (%d of %d traced) |\n", l.Name, groupDigits(float64(l.Rate)), groupDigits(float64(l.Own.N)),
+			signedMillis(l.Behind.P50), signedMillis(l.Behind.P99), signedMillis(l.Behind.Max), signedMillis(l.Own.P50), signedMillis(l.Own.P99), signedMillis(l.Own.Max),
+			millis(t.ToFloor), signedMillis(t.ToReceived), signedMillis(t.ToStored), signedMillis(t.ToConsumer), t.Traced, t.N)
 	}
 	fmt.Fprintln(w)
 }
@@ -283,6 +301,11 @@ func millis(d time.Duration) string {
 	if d <= 0 {
 		return "—"
 	}
+	return fmt.Sprintf("%.2f ms", float64(d)/float64(time.Millisecond))
+}
+
+// signedMillis is millis for a difference, which may be negative or zero.
+func signedMillis(d time.Duration) string {
 	return fmt.Sprintf("%.2f ms", float64(d)/float64(time.Millisecond))
 }
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -31,8 +32,12 @@ type latencyRun struct {
 	// slot of its own, for the same rows (floor.go); zero where not measured.
 	Floor  latencyStats
 	Beyond latencyStats // row by row: the forwarder's latency minus the floor's
-	Tail   tailSplit    // where the rows above the forwarder's p99 spent their time
-	Err    error
+	// With --trace (jetbox's publish spans, row by row): Behind is from the
+	// floor's XLogData to jetbox's (the span's start), Own from there to
+	// stored in the stream (jetbox and the NATS server).
+	Behind, Own latencyStats
+	Tail        tailSplit // where the rows above the forwarder's p99 spent their time
+	Err         error
 }
 
 // tailSplit follows the rows slower than a step's p99 through the pipeline:
@@ -42,7 +47,9 @@ type latencyRun struct {
 type tailSplit struct {
 	N                             int
 	Upstream                      int // rows whose floor latency was within 1 ms of their whole latency
+	Traced                        int // rows with jetbox's span (--trace): ToReceived is theirs, and ToStored starts there
 	ToFloor, ToStored, ToConsumer time.Duration
+	ToReceived                    time.Duration // floor → jetbox received the row (its walsender and socket)
 }
 
 // maxSustainedP99 tells a rate the pipeline sustains from one it does not:
@@ -65,9 +72,10 @@ type sender func(ctx context.Context, w int, payload []byte) error
 // steadyLoad drives one consumer's stream with paced senders.
 type steadyLoad struct {
 	b        *bench
-	fwd      *process     // the forwarder, measured; nil for the raw publish
-	slot     string       // jetbox's slot, whose walsender's lag is sampled; "" for none
-	floor    *floorClient // the latency floor on the same rows; nil for none
+	fwd      *process      // the forwarder, measured; nil for the raw publish
+	slot     string        // jetbox's slot, whose walsender's lag is sampled; "" for none
+	floor    *floorClient  // the latency floor on the same rows; nil for none
+	spans    *otlpReceiver // jetbox's publish spans (--trace); nil for none
 	consumer *latencyConsumer
 	send     sender
 	sent     int    // messages sent since the consumer started
@@ -107,8 +115,16 @@ func (l *steadyLoad) step(ctx context.Context, name string, rate int, d time.Dur
 	run := latencyRun{Name: name, Rate: rate, CPU: cpu, Wall: time.Since(began), MaxUnsent: maxUnsent, Err: errors.Join(err, cpuErr)}
 	if l.floor != nil {
 		floor := l.floor.take()
+		var spans map[string]spanTimes
+		if l.spans != nil {
+			ids := make([]string, len(samples))
+			for i, s := range samples {
+				ids[i] = s.id
+			}
+			spans = l.spans.take(ctx, ids, 10*time.Second)
+		}
 		if run.Err == nil {
-			run.Err = run.setFloor(samples, floor)
+			run.Err = run.setFloor(samples, floor, spans)
 		}
 	}
 	toConsumer, toStored := make([]time.Duration, len(samples)), make([]time.Duration, len(samples))
@@ -128,7 +144,7 @@ func (l *steadyLoad) step(ctx context.Context, name string, rate int, d time.Dur
 // setFloor joins the step's samples with the floor's latencies of the same
 // rows (by outbox id): the floor's percentiles, the forwarder's latency
 // beyond it row by row, and the split of the rows above the step's p99.
-func (r *latencyRun) setFloor(samples []latencySample, floor map[string]time.Duration) error {
+func (r *latencyRun) setFloor(samples []latencySample, floor map[string]time.Duration, spans map[string]spanTimes) error {
 	floors := make([]time.Duration, 0, len(floor))
 	for _, d := range floor {
 		floors = append(floors, d)
@@ -144,6 +160,17 @@ func (r *latencyRun) setFloor(samples []latencySample, floor map[string]time.Dur
 		beyond[i], total[i] = s.consumer-f, s.consumer
 	}
 	r.Beyond = summarize(beyond)
+	if len(spans) > 0 {
+		var behind, own []time.Duration
+		for _, s := range samples {
+			if sp, ok := spans[s.id]; ok {
+				recv := sp.start.Sub(s.sent) // the span's start, on the same host's clock
+				behind = append(behind, recv-floor[s.id])
+				own = append(own, s.stored-recv)
+			}
+		}
+		r.Behind, r.Own = summarize(behind), summarize(own)
+	}
 	p99 := summarize(total).P99
 	var t tailSplit
 	for _, s := range samples {
@@ -156,13 +183,23 @@ func (r *latencyRun) setFloor(samples []latencySample, floor map[string]time.Dur
 			t.Upstream++
 		}
 		t.ToFloor += f
-		t.ToStored += s.stored - f
 		t.ToConsumer += s.consumer - s.stored
+		if sp, ok := spans[s.id]; ok {
+			recv := sp.start.Sub(s.sent)
+			t.Traced++
+			t.ToReceived += recv - f
+			t.ToStored += s.stored - recv
+		} else {
+			t.ToStored += s.stored - f
+		}
 	}
 	if t.N > 0 {
 		t.ToFloor /= time.Duration(t.N)
 		t.ToStored /= time.Duration(t.N)
 		t.ToConsumer /= time.Duration(t.N)
+	}
+	if t.Traced > 0 {
+		t.ToReceived /= time.Duration(t.Traced)
 	}
 	r.Tail = t
 	return nil
@@ -182,6 +219,9 @@ func (l *steadyLoad) warmUp(ctx context.Context) error {
 	if err == nil && l.floor != nil {
 		err = l.floor.waitCount(ctx, l.sent, l.b.cfg.Timeout)
 		l.floor.take()
+	}
+	if l.spans != nil {
+		l.spans.take(ctx, nil, 0) // later ones are ignored: no sample has their id
 	}
 	return err
 }
@@ -322,6 +362,15 @@ func (b *bench) jetboxSweep(ctx context.Context, rep *Report, name, db, delivery
 		sw.Runs = append(sw.Runs, latencyRun{Name: name, Rate: b.cfg.SteadyRate, Err: err})
 		return sw
 	}
+	var spans *otlpReceiver
+	if b.cfg.Trace { // jetbox's publish spans, row by row, to split the tail further
+		var err error
+		if spans, err = startOTLPReceiver(true); err != nil {
+			return fail(err)
+		}
+		defer spans.close()
+		env = append(slices.Clone(env), spans.env()...)
+	}
 	start := func() (*process, error) { return b.startJetbox(d, env...) }
 	if err := b.primeWith(ctx, d, decoder.OutboxDDL, start); err != nil {
 		return fail(fmt.Errorf("prime: %w", err))
@@ -337,7 +386,7 @@ func (b *bench) jetboxSweep(ctx context.Context, rep *Report, name, db, delivery
 	}
 	defer load.consumer.stop()
 	defer load.floor.stop()
-	load.slot = d.slot
+	load.slot, load.spans = d.slot, spans
 	if sw.add(load.step(ctx, name, b.cfg.SteadyRate, b.cfg.Steady), b.cfg.KneeP99) {
 		for _, rate := range b.cfg.Rates {
 			if ctx.Err() != nil || !sw.add(load.step(ctx, name, rate, b.cfg.Step), b.cfg.KneeP99) {
