@@ -140,6 +140,10 @@ type Event struct {
 	// traced (replication.Config.StampDecoded): its span starts there, so
 	// it shows the wait for the in-flight window too.
 	Decoded time.Time
+	// WALSent is when the walsender sent the message that carried the event
+	// (XLogData's send time, the server's clock), set with Decoded: from it
+	// to Decoded is the time in the socket and jetbox's read buffer.
+	WALSent time.Time
 
 	rawHeaders string // the headers column when it was the problem
 	// messagePrefix is set on an event from a logical decoding message

@@ -139,6 +139,7 @@ func (l *loop) handle(ctx context.Context, data []byte) error {
 			msg.Event.Source = l.source
 			if l.s.cfg.StampDecoded {
 				msg.Event.Decoded = l.lastRecv // this message's receive time (one clock read per message)
+				msg.Event.WALSent = xld.ServerTime
 			}
 			if msg.Event.DeadLetter != nil {
 				l.deadLettered(msg.Event.DeadLetter, msg.Event.Subject)

@@ -32,11 +32,12 @@ const TracerName = "github.com/jetbox-dev/jetbox/sink"
 
 // Span attributes jetbox adds to the messaging conventions'.
 const (
-	AttrCommitLSN = attribute.Key("jetbox.commit_lsn")      // the transaction's commit LSN, X/X
-	AttrTxIndex   = attribute.Key("jetbox.tx_index")        // the row's index in its transaction
-	AttrStream    = attribute.Key("jetbox.stream")          // the JetStream stream
-	AttrSeq       = attribute.Key("jetbox.stream_sequence") // where JetStream stored it (or already had it)
-	AttrOutcome   = attribute.Key("jetbox.outcome")         // published, duplicate or error
+	AttrCommitLSN = attribute.Key("jetbox.commit_lsn")         // the transaction's commit LSN, X/X
+	AttrTxIndex   = attribute.Key("jetbox.tx_index")           // the row's index in its transaction
+	AttrStream    = attribute.Key("jetbox.stream")             // the JetStream stream
+	AttrSeq       = attribute.Key("jetbox.stream_sequence")    // where JetStream stored it (or already had it)
+	AttrOutcome   = attribute.Key("jetbox.outcome")            // published, duplicate or error
+	AttrWALSent   = attribute.Key("jetbox.wal_sent_unix_nano") // when the walsender sent the row (its XLogData's send time)
 )
 
 // Outcomes (AttrOutcome).
@@ -104,7 +105,7 @@ func (p *Publisher) startSpan(ev *decoder.Event, h nats.Header) trace.Span {
 	if v := h[HeaderCommitLSN]; len(v) == 1 {
 		lsn = v[0] // formatted once per transaction (txText)
 	}
-	attrs := make([]attribute.KeyValue, 0, len(t.attrs)+6)
+	attrs := make([]attribute.KeyValue, 0, len(t.attrs)+7)
 	attrs = append(attrs, t.attrs...)
 	attrs = append(attrs,
 		semconv.MessagingDestinationName(ev.Subject),
@@ -117,6 +118,9 @@ func (p *Publisher) startSpan(ev *decoder.Event, h nats.Header) trace.Span {
 	if t.template != "" {
 		name = "jetbox publish " + t.template
 		attrs = append(attrs, semconv.MessagingDestinationTemplate(t.template))
+	}
+	if !ev.WALSent.IsZero() {
+		attrs = append(attrs, AttrWALSent.Int64(ev.WALSent.UnixNano()))
 	}
 	opts := []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindProducer), trace.WithAttributes(attrs...)}
 	if !ev.Decoded.IsZero() {

@@ -274,16 +274,28 @@ func TestIndexSchemeHeader(t *testing.T) {
 }
 
 // TestSpanStartsAtDecode: an event stamped at decode starts its span there,
-// so the span shows the wait for the in-flight window as well.
+// so the span shows the wait for the in-flight window as well, and carries
+// when the walsender sent it.
 func TestSpanStartsAtDecode(t *testing.T) {
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 	p := &Publisher{tracing: newTracing(tp, "OUTBOX", "")}
 	ev := traceEvent()
 	ev.Decoded = time.Now().Add(-time.Second)
+	ev.WALSent = ev.Decoded.Add(-time.Millisecond)
 	var tx txText
 	endSpan(p.startSpan(ev, p.header(ev, &tx, 2)), 1, false, nil)
-	if got := rec.Ended()[0].StartTime(); !got.Equal(ev.Decoded) {
+	span := rec.Ended()[0]
+	if got := span.StartTime(); !got.Equal(ev.Decoded) {
 		t.Fatalf("span starts %s, want the decode time %s", got, ev.Decoded)
+	}
+	var sent int64
+	for _, a := range span.Attributes() {
+		if a.Key == AttrWALSent {
+			sent = a.Value.AsInt64()
+		}
+	}
+	if sent != ev.WALSent.UnixNano() {
+		t.Errorf("%s = %d, want the walsender's send time %d", AttrWALSent, sent, ev.WALSent.UnixNano())
 	}
 }

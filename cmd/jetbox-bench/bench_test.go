@@ -238,7 +238,8 @@ func TestSetFloor(t *testing.T) {
 	if err := r.setFloor(samples, floor, spans); err != nil {
 		t.Fatal(err)
 	}
-	if r.Behind.N != 2 || r.Behind.Max != ms || r.Own.Max != 17*ms || r.Tail.Traced != 1 || r.Tail.ToReceived != 100*time.Microsecond {
+	if r.Behind.N != 2 || r.Behind.Max != ms || r.Own.Max != 17*ms || r.Tail.Traced != 1 || r.Tail.ToReceived != 100*time.Microsecond ||
+		r.Tail.ToOwn != -600*time.Microsecond || r.Tail.ToStored != -500*time.Microsecond {
 		t.Errorf("behind %+v, own %+v, tail %+v", r.Behind, r.Own, r.Tail)
 	}
 	delete(floor, "5")

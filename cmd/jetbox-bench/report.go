@@ -165,13 +165,14 @@ func (r *Report) printFloor(w io.Writer) {
 	if len(traced) == 0 {
 		return
 	}
-	fmt.Fprintln(w, "| traced (--trace: jetbox's publish span of each row) | rows/s | rows traced | floor → jetbox received (its walsender, the socket): p50 / p99 / max | jetbox received → stored (jetbox + NATS): p50 / p99 / max | rows above jetbox's p99: mean to the floor / floor → jetbox / jetbox → stored / stored → consumer |")
-	fmt.Fprintln(w, "|---|--:|--:|--:|--:|--:|")
+	fmt.Fprintln(w, "| traced (--trace: jetbox's publish span of each row) | rows/s | rows traced | floor → jetbox read the row: p50 / p99 / max | of which jetbox's walsender sent it after the floor's: p50 / p99 | and it waited in the socket and jetbox's buffer: p50 / p99 | jetbox read → stored (jetbox + NATS): p50 / p99 / max | rows above jetbox's p99: mean to the floor / floor → jetbox read (in the socket) / jetbox → stored / stored → consumer |")
+	fmt.Fprintln(w, "|---|--:|--:|--:|--:|--:|--:|--:|")
 	for _, l := range traced {
 		t := l.Tail
-		fmt.Fprintf(w, "| %s | %s | %s | %s / %s / %s | %s / %s / %s | %s / %s / %s / %s (%d of %d traced) |\n", l.Name, groupDigits(float64(l.Rate)), groupDigits(float64(l.Own.N)),
-			signedMillis(l.Behind.P50), signedMillis(l.Behind.P99), signedMillis(l.Behind.Max), signedMillis(l.Own.P50), signedMillis(l.Own.P99), signedMillis(l.Own.Max),
-			millis(t.ToFloor), signedMillis(t.ToReceived), signedMillis(t.ToStored), signedMillis(t.ToConsumer), t.Traced, t.N)
+		fmt.Fprintf(w, "| %s | %s | %s | %s / %s / %s | %s / %s | %s / %s | %s / %s / %s | %s / %s (%s) / %s / %s (%d of %d traced) |\n", l.Name, groupDigits(float64(l.Rate)), groupDigits(float64(l.Own.N)),
+			signedMillis(l.Behind.P50), signedMillis(l.Behind.P99), signedMillis(l.Behind.Max), signedMillis(l.Sent.P50), signedMillis(l.Sent.P99),
+			signedMillis(l.Read.P50), signedMillis(l.Read.P99), signedMillis(l.Own.P50), signedMillis(l.Own.P99), signedMillis(l.Own.Max),
+			millis(t.ToFloor), signedMillis(t.ToReceived), signedMillis(t.ToRead), signedMillis(t.ToOwn), signedMillis(t.ToConsumer), t.Traced, t.N)
 	}
 	fmt.Fprintln(w)
 }

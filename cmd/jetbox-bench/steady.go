@@ -36,8 +36,12 @@ type latencyRun struct {
 	// floor's XLogData to jetbox's (the span's start), Own from there to
 	// stored in the stream (jetbox and the NATS server).
 	Behind, Own latencyStats
-	Tail        tailSplit // where the rows above the forwarder's p99 spent their time
-	Err         error
+	// Behind split at the walsender's send time (XLogData's): Sent from the
+	// floor's XLogData to jetbox's walsender sending the row, Read from there
+	// to jetbox reading it (the socket and jetbox's read buffer).
+	Sent, Read latencyStats
+	Tail       tailSplit // where the rows above the forwarder's p99 spent their time
+	Err        error
 }
 
 // tailSplit follows the rows slower than a step's p99 through the pipeline:
@@ -47,9 +51,11 @@ type latencyRun struct {
 type tailSplit struct {
 	N                             int
 	Upstream                      int // rows whose floor latency was within 1 ms of their whole latency
-	Traced                        int // rows with jetbox's span (--trace): ToReceived is theirs, and ToStored starts there
+	Traced                        int // rows with jetbox's span (--trace): the To* below are theirs
 	ToFloor, ToStored, ToConsumer time.Duration
 	ToReceived                    time.Duration // floor → jetbox received the row (its walsender and socket)
+	ToRead                        time.Duration // of ToReceived: from jetbox's walsender sending the row to jetbox reading it
+	ToOwn                         time.Duration // jetbox read the row → stored (jetbox and the NATS server)
 }
 
 // maxSustainedP99 tells a rate the pipeline sustains from one it does not:
@@ -161,15 +167,19 @@ func (r *latencyRun) setFloor(samples []latencySample, floor map[string]time.Dur
 	}
 	r.Beyond = summarize(beyond)
 	if len(spans) > 0 {
-		var behind, own []time.Duration
+		var behind, own, sentAt, read []time.Duration
 		for _, s := range samples {
 			if sp, ok := spans[s.id]; ok {
 				recv := sp.start.Sub(s.sent) // the span's start, on the same host's clock
 				behind = append(behind, recv-floor[s.id])
 				own = append(own, s.stored-recv)
+				if !sp.walSent.IsZero() {
+					sentAt = append(sentAt, sp.walSent.Sub(s.sent)-floor[s.id])
+					read = append(read, sp.start.Sub(sp.walSent))
+				}
 			}
 		}
-		r.Behind, r.Own = summarize(behind), summarize(own)
+		r.Behind, r.Own, r.Sent, r.Read = summarize(behind), summarize(own), summarize(sentAt), summarize(read)
 	}
 	p99 := summarize(total).P99
 	var t tailSplit
@@ -183,14 +193,16 @@ func (r *latencyRun) setFloor(samples []latencySample, floor map[string]time.Dur
 			t.Upstream++
 		}
 		t.ToFloor += f
+		t.ToStored += s.stored - f
 		t.ToConsumer += s.consumer - s.stored
 		if sp, ok := spans[s.id]; ok {
 			recv := sp.start.Sub(s.sent)
 			t.Traced++
 			t.ToReceived += recv - f
-			t.ToStored += s.stored - recv
-		} else {
-			t.ToStored += s.stored - f
+			t.ToOwn += s.stored - recv
+			if !sp.walSent.IsZero() {
+				t.ToRead += sp.start.Sub(sp.walSent)
+			}
 		}
 	}
 	if t.N > 0 {
@@ -200,6 +212,8 @@ func (r *latencyRun) setFloor(samples []latencySample, floor map[string]time.Dur
 	}
 	if t.Traced > 0 {
 		t.ToReceived /= time.Duration(t.Traced)
+		t.ToRead /= time.Duration(t.Traced)
+		t.ToOwn /= time.Duration(t.Traced)
 	}
 	r.Tail = t
 	return nil

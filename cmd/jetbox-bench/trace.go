@@ -12,6 +12,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/jetbox-dev/jetbox/sink"
 	coltracepb "go.opentelemetry.io/proto/otlp/collector/trace/v1"
 	"google.golang.org/protobuf/proto"
 )
@@ -29,9 +30,9 @@ type otlpReceiver struct {
 	byID    map[string]spanTimes
 }
 
-// spanTimes are a publish span's start (jetbox received the row's XLogData)
-// and end (JetStream's ack arrived).
-type spanTimes struct{ start, end time.Time }
+// spanTimes are a publish span's walsender send time (its attribute), start
+// (jetbox read the row's XLogData) and end (JetStream's ack arrived).
+type spanTimes struct{ walSent, start, end time.Time }
 
 // startOTLPReceiver listens on a free loopback port; collect keeps the spans' times.
 func startOTLPReceiver(collect bool) (*otlpReceiver, error) {
@@ -79,10 +80,18 @@ func (r *otlpReceiver) serve(w http.ResponseWriter, req *http.Request) {
 				continue
 			}
 			for _, sp := range ss.Spans {
+				t := spanTimes{start: time.Unix(0, int64(sp.StartTimeUnixNano)), end: time.Unix(0, int64(sp.EndTimeUnixNano))}
+				id := ""
 				for _, a := range sp.Attributes {
-					if a.Key == "messaging.message.id" {
-						r.byID[a.Value.GetStringValue()] = spanTimes{time.Unix(0, int64(sp.StartTimeUnixNano)), time.Unix(0, int64(sp.EndTimeUnixNano))}
+					switch a.Key {
+					case "messaging.message.id":
+						id = a.Value.GetStringValue()
+					case string(sink.AttrWALSent):
+						t.walSent = time.Unix(0, a.Value.GetIntValue())
 					}
+				}
+				if id != "" {
+					r.byID[id] = t
 				}
 			}
 		}

@@ -97,7 +97,7 @@ type RunFlags struct {
 
 	DuplicateWindow  string `name:"duplicate-window" env:"JETBOX_DUPLICATE_WINDOW" default:"${default_duplicate_window}" help:"Duplicate window of a stream jetbox creates."`
 	MaxInFlight      string `name:"max-in-flight" env:"JETBOX_MAX_IN_FLIGHT" default:"${default_max_in_flight}" help:"Events published and not yet acked."`
-	MaxInFlightBytes string `name:"max-in-flight-bytes" env:"JETBOX_MAX_IN_FLIGHT_BYTES" default:"16MiB" help:"Payload bytes published and not yet acked."`
+	MaxInFlightBytes string `name:"max-in-flight-bytes" env:"JETBOX_MAX_IN_FLIGHT_BYTES" default:"8MiB" help:"Payload bytes published and not yet acked (with the soft memory limit, see GOMEMLIMIT in docs/configuration.md, this bounds the memory)."`
 	PublishTimeout   string `name:"publish-timeout" env:"JETBOX_PUBLISH_TIMEOUT" default:"${default_publish_timeout}" help:"Wait for one PubAck before the outcome counts as unknown."`
 	Delivery         string `name:"delivery" env:"JETBOX_DELIVERY" default:"${default_delivery}" help:"exactly-once: jetbox is the stream's only writer (a stream of its own, limits retention), publishes expect the last sequence and replays are skipped by position, whatever the window; dedup: for streams shared with other publishers, Nats-Msg-Id dedup within the duplicate window."`
 	AtomicTx         string `name:"atomic-transactions" env:"JETBOX_ATOMIC_TRANSACTIONS" default:"false" help:"Store each transaction as JetStream atomic batches, so consumers never see part of one (up to the server's batch limit, 1000 rows by default; larger ones arrive in atomic chunks, the last message has Jetbox-Tx-Last: true). Needs --delivery=exactly-once, nats-server 2.12+ and a stream that allows atomic publish."`
@@ -364,7 +364,7 @@ func (f *RunFlags) Config() (Config, error) {
 	}
 	maxBytes, err := parseBytes(f.MaxInFlightBytes)
 	if err != nil || maxBytes < 1024 {
-		bad("max-in-flight-bytes", f.MaxInFlightBytes, "not a size of at least 1KiB", "use e.g. 16MiB")
+		bad("max-in-flight-bytes", f.MaxInFlightBytes, "not a size of at least 1KiB", "use e.g. 8MiB")
 	}
 	if f.Delivery != "dedup" && f.Delivery != "exactly-once" {
 		bad("delivery", f.Delivery, "unknown delivery mode", "use dedup or exactly-once (see docs/guarantees.md)")

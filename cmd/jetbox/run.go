@@ -27,9 +27,9 @@ import (
 // memoryLimit is jetbox's default soft memory limit (GOMEMLIMIT overrides
 // it): a base for the runtime, the decoder and the connections, and twice
 // the payload bytes the window may hold (each in flight once as an event,
-// once in NATS' buffers); 48 MiB at the default 16 MiB window.
+// once in NATS' buffers); 40 MiB at the default 8 MiB window.
 func memoryLimit(maxInFlightBytes int) int64 {
-	const base = 16 << 20
+	const base = 24 << 20
 	if maxInFlightBytes <= 0 {
 		return math.MaxInt64 // no bound on the window: no limit either
 	}
