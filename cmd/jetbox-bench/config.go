@@ -96,7 +96,7 @@ func parseFlags(args []string, stderr io.Writer) (Config, error) {
 	fs.StringVar(&scaleTx, "scale-tx", scaleTx, "scale-tx: rows per transaction (each point has max(--rows, this) rows)")
 	fs.Int64Var(&c.ScaleBytes, "scale-bytes", c.ScaleBytes, "scale-payload: payload bytes per point at most (min(--rows, this/size) rows)")
 	only := ""
-	fs.StringVar(&only, "only", "", "run only these workloads, comma-separated, of: "+strings.Join(workloads, ",")+" (recv needs dedup; default: all)")
+	fs.StringVar(&only, "only", "", "run only these workloads, comma-separated, of: "+strings.Join(append(slices.Clone(workloads), scaleWorkloads...), ",")+" (recv needs dedup; default: all but the scale-* ones, which --scale adds)")
 	if err := fs.Parse(args); err != nil {
 		return Config{}, err
 	}
@@ -150,8 +150,8 @@ func (c Config) validate() error {
 		errs = append(errs, errors.New("--scale-bytes must be at least 1"))
 	}
 	for _, p := range c.ScalePayloads {
-		if p < 64 {
-			errs = append(errs, fmt.Errorf("--scale-payloads: %d is under 64 bytes (the payload holds a number and padding)", p))
+		if p < 64 || p > 512<<10 {
+			errs = append(errs, fmt.Errorf("--scale-payloads: %d is not within 64 bytes and 512 KiB (a number and padding; NATS' max_payload is 1 MiB)", p))
 		}
 	}
 	if c.Steady < time.Second || c.Step < time.Second {

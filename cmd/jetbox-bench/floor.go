@@ -18,7 +18,8 @@ import (
 // through pgoutput and timing each outbox INSERT from its send time (in the
 // payload) to the XLogData that carried it. Nothing can deliver a row
 // sooner than its walsender sends it, so a forwarder's latency minus the
-// floor's, row by row, is what the forwarder, NATS and the consumer add.
+// floor's, row by row, is what everything after the floor's walsender adds:
+// the forwarder's own walsender, the forwarder, NATS and the consumer.
 type floorClient struct {
 	conn   *pgconn.PgConn
 	cancel context.CancelFunc
@@ -45,7 +46,7 @@ func (b *bench) startFloor(ctx context.Context, db, publication string) (*floorC
 	if err != nil {
 		return nil, fmt.Errorf("floor: connect to %s for replication: %w", db, err)
 	}
-	slot := "bench_floor"
+	slot := "bench_floor_" + db // one per database: a closed one's may linger a moment
 	if _, err := pglogrepl.CreateReplicationSlot(ctx, conn, slot, "pgoutput",
 		pglogrepl.CreateReplicationSlotOptions{Temporary: true, SnapshotAction: "NOEXPORT_SNAPSHOT"}); err != nil {
 		conn.Close(context.Background())

@@ -72,8 +72,11 @@ func (b *bench) runScale(ctx context.Context, rep *Report) {
 	}
 }
 
-// drop removes deployment d: its stream, slot and database.
+// drop removes deployment d: its stream, slot and database (not with --keep).
 func (b *bench) drop(ctx context.Context, d deployment) {
+	if b.cfg.Keep {
+		return
+	}
 	if err := b.srv.js.DeleteStream(ctx, d.stream); err != nil {
 		b.log.Warn().Err(err).Str("stream", d.stream).Msg("delete stream")
 	}

@@ -51,7 +51,8 @@ type latencyRun struct {
 type tailSplit struct {
 	N                             int
 	Upstream                      int // rows whose floor latency was within 1 ms of their whole latency
-	Traced                        int // rows with jetbox's span (--trace): the To* below are theirs
+	Traced                        int // rows with jetbox's span (--trace): ToReceived and ToOwn are theirs
+	SentKnown                     int // of those, with the walsender's send time: ToRead is theirs
 	ToFloor, ToStored, ToConsumer time.Duration
 	ToReceived                    time.Duration // floor → jetbox received the row (its walsender and socket)
 	ToRead                        time.Duration // of ToReceived: from jetbox's walsender sending the row to jetbox reading it
@@ -201,6 +202,7 @@ func (r *latencyRun) setFloor(samples []latencySample, floor map[string]time.Dur
 			t.ToReceived += recv - f
 			t.ToOwn += s.stored - recv
 			if !sp.walSent.IsZero() {
+				t.SentKnown++
 				t.ToRead += sp.start.Sub(sp.walSent)
 			}
 		}
@@ -212,8 +214,10 @@ func (r *latencyRun) setFloor(samples []latencySample, floor map[string]time.Dur
 	}
 	if t.Traced > 0 {
 		t.ToReceived /= time.Duration(t.Traced)
-		t.ToRead /= time.Duration(t.Traced)
 		t.ToOwn /= time.Duration(t.Traced)
+	}
+	if t.SentKnown > 0 {
+		t.ToRead /= time.Duration(t.SentKnown)
 	}
 	r.Tail = t
 	return nil

@@ -24,8 +24,8 @@ import (
 	"github.com/rs/zerolog"
 )
 
-// memoryLimit is jetbox's default soft memory limit (GOMEMLIMIT overrides
-// it): a base for the runtime, the decoder and the connections, and twice
+// memoryLimit is jetbox's default soft memory limit with tracing off
+// (GOMEMLIMIT overrides it): a base for the runtime, the decoder and the connections, and twice
 // the payload bytes the window may hold (each in flight once as an event,
 // once in NATS' buffers); 40 MiB at the default 8 MiB window.
 func memoryLimit(maxInFlightBytes int) int64 {
@@ -42,12 +42,6 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 		// The heap is small and bounded by the window: trade a little memory
 		// for fewer GC cycles (measured in docs/performance.md).
 		debug.SetGCPercent(200)
-	}
-	if os.Getenv("GOMEMLIMIT") == "" {
-		// A soft limit for the heap the window holds at most: with large
-		// payloads GC works harder instead of the heap growing to three times
-		// what is live (docs/performance.md, the payload table).
-		debug.SetMemoryLimit(memoryLimit(cfg.Replication.MaxInFlightBytes))
 	}
 	log := newLogger(cfg, stdout)
 	delivery := "dedup"
@@ -81,6 +75,14 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 	defer stopTracing() // after the last ack: exports the last spans, bounded
 	cfg.Sink.TracerProvider = tp
 	cfg.Replication.StampDecoded = tp != nil // spans start at decode
+	if os.Getenv("GOMEMLIMIT") == "" && tp == nil {
+		// A soft limit for the heap the window holds at most: with large
+		// payloads GC works harder instead of the heap growing to three times
+		// what is live (docs/performance.md, the payload table). Not with
+		// tracing on: the span queue and the exporter's buffers are not
+		// bounded by the window.
+		debug.SetMemoryLimit(memoryLimit(cfg.Replication.MaxInFlightBytes))
+	}
 
 	if cfg.NatsURL == "embedded" {
 		srv, err := startEmbeddedNATS(cfg)
