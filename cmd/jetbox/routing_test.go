@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"regexp"
@@ -206,6 +207,14 @@ func testMixedRowsAndMessages(t *testing.T, extra []string) {
 		batches := assertTransactions(t, testenv.ReadStream(t, f.js, "OUTBOX", true), lasts, nil)
 		t.Logf("%d events in %d atomic batches", len(want), len(batches))
 	}
+	// The last start may have had nothing left to publish: stop it only once
+	// it streams (a SIGTERM before its signal handler would kill it).
+	testenv.WaitFor(t, time.Minute, func() error {
+		if !strings.Contains(p.logText(), `"message":"streaming"`) {
+			return errors.New("the last jetbox is not streaming yet")
+		}
+		return nil
+	})
 	if code := p.stop(); code != exitOK {
 		t.Fatalf("exit %d", code)
 	}
