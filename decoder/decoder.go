@@ -112,6 +112,9 @@ type Message struct {
 	// EndLSN is the transaction's end LSN (Commit.TransactionEndLSN): the
 	// position to confirm once every event of the transaction is acked.
 	EndLSN pglogrepl.LSN
+	// CommitLSN is the transaction's commit LSN (where its commit record
+	// starts), set with KindBegin and KindCommit.
+	CommitLSN pglogrepl.LSN
 	// Ignored is set (with KindNone) on a logical decoding message that
 	// publishes nothing: one of the Ignored* reasons.
 	Ignored string
@@ -226,7 +229,7 @@ func (d *Decoder) Decode(data []byte) (msg Message, err error) {
 			return Message{}, fmt.Errorf("%w: BEGIN %s inside open transaction %s", ErrProtocol, m.FinalLSN, d.commitLSN)
 		}
 		d.inTxn, d.commitLSN, d.commitTime, d.xid, d.index = true, m.FinalLSN, m.CommitTime.UTC(), m.Xid, 0
-		return Message{Kind: KindBegin}, nil
+		return Message{Kind: KindBegin, CommitLSN: m.FinalLSN}, nil
 	case pglogrepl.MessageTypeCommit:
 		var m pglogrepl.CommitMessage
 		if err := m.Decode(data[1:]); err != nil {
@@ -236,7 +239,7 @@ func (d *Decoder) Decode(data []byte) (msg Message, err error) {
 			return Message{}, fmt.Errorf("%w: COMMIT %s without BEGIN", ErrProtocol, m.CommitLSN)
 		}
 		d.inTxn = false
-		return Message{Kind: KindCommit, EndLSN: m.TransactionEndLSN}, nil
+		return Message{Kind: KindCommit, EndLSN: m.TransactionEndLSN, CommitLSN: m.CommitLSN}, nil
 	case pglogrepl.MessageTypeRelation:
 		var m pglogrepl.RelationMessage
 		if err := m.Decode(data[1:]); err != nil {

@@ -370,6 +370,8 @@ type fakeSink struct {
 	hangClose bool   // Close waits for its context to end, then gives up
 	onOpen    func() // called on every Open, before it succeeds or fails
 	down      atomic.Bool
+	tip       *StreamTip // the stream's tip (TipSource); nil: none
+	forgot    atomic.Int64
 
 	mu        sync.Mutex
 	decide    decideFunc
@@ -382,6 +384,19 @@ type fakeSink struct {
 }
 
 var errSinkDown = errors.New("fake sink: NATS unreachable")
+
+// fakeSource is the Jetbox-Source of the fake walsender's database and slot.
+const fakeSource = "7300000000000000001/1/app/jetbox"
+
+// Tip returns the scripted tip, unless Forget abandoned it.
+func (s *fakeSink) Tip(context.Context) (StreamTip, bool, error) {
+	if s.tip == nil || s.forgot.Load() >= int64(s.tip.Seq) {
+		return StreamTip{}, false, nil
+	}
+	return *s.tip, true, nil
+}
+
+func (s *fakeSink) Forget(tip StreamTip) { s.forgot.Store(int64(tip.Seq)) }
 
 func (s *fakeSink) Open(ctx context.Context, source string) (Session, error) {
 	s.mu.Lock()

@@ -23,6 +23,8 @@ type loop struct {
 	dec     *decoder.Decoder
 	sess    Session
 	source  string
+	start   pglogrepl.LSN // the slot's confirmed position when the session started
+	replay  *tipReplay    // nil: the slot does not replay the stream's tip
 
 	nextStatus time.Time
 	deadline   time.Time // read deadline currently set on the socket
@@ -119,6 +121,9 @@ func (l *loop) handle(ctx context.Context, data []byte) error {
 		// Idle: nothing in flight and no open transaction, so every change up
 		// to the server's position was either published or not an outbox row.
 		if !l.dec.InTransaction() {
+			if err := l.replay.walEnd(ka.ServerWALEnd); err != nil {
+				return l.historyBreak(err)
+			}
 			l.tracker.AdvanceIdle(ka.ServerWALEnd)
 		}
 		if ka.ReplyRequested {
@@ -144,9 +149,15 @@ func (l *loop) handle(ctx context.Context, data []byte) error {
 			if msg.Event.DeadLetter != nil {
 				l.deadLettered(msg.Event.DeadLetter, msg.Event.Subject)
 			}
+			if err := l.replay.event(msg.Event.CommitLSN, msg.Event.TxIndex, msg.Event.ID); err != nil {
+				return l.historyBreak(err)
+			}
 			l.txLSN = msg.Event.CommitLSN
 			return l.publish(ctx, &msg.Event)
 		case decoder.KindCommit:
+			if err := l.replay.commit(msg.CommitLSN); err != nil {
+				return l.historyBreak(err)
+			}
 			l.tracker.Commit(msg.EndLSN)
 			l.sess.EndTransaction()
 			l.txLSN = 0
@@ -235,3 +246,22 @@ func (l *loop) deadLettered(cause *decoder.InvalidEventError, subject string) {
 		Str("reason", cause.Code).Str("dead_letter_subject", subject).Str("error", cause.Error()).
 		Msg("outbox row cannot be published: sending a dead letter instead")
 }
+
+// historyBreak handles a replay that did not reproduce the stream's tip
+// (tipReplay): nothing past the slot's start was confirmed. It stops
+// jetbox; with AcceptLostRows the tip is forgotten and the next session
+// streams on from the slot, skipping nothing by position against it.
+func (l *loop) historyBreak(err error) error {
+	var he *HistoryError
+	ts, ok := l.s.sink.(TipSource)
+	if !l.s.cfg.AcceptLostRows || !ok || !errors.As(err, &he) {
+		return err
+	}
+	l.log.Warn().Str("case", he.Case).Str("after_commit_time", he.Tip.CommitTime).Str("after_lsn", he.Tip.CommitLSN.String()).
+		Str("detail", he.Detail).Msg("--accept-lost-rows: going on; rows committed after this point may be missing from the stream (jetbox repair re-publishes them from the table)")
+	ts.Forget(he.Tip)
+	l.s.forgotTip = he.Tip.Seq
+	return fmt.Errorf("restarting the session after an accepted history break: %w", errAcceptedBreak)
+}
+
+var errAcceptedBreak = errors.New("the stream's tip was forgotten")

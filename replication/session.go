@@ -50,6 +50,12 @@ func (s *Streamer) session(ctx context.Context) (err error) {
 			return err
 		}
 	}
+	// A slot at or before the tip replays it: until it has (tipReplay),
+	// nothing past start is confirmed.
+	var replay *tipReplay
+	if haveTip && ownTip(tip, sys, s.cfg.Slot) && tip.Seq > s.forgotTip {
+		replay = newTipReplay(tip, start)
+	}
 	source := sourceOf(sys, s.cfg.Slot)
 	// Open the sink before streaming starts: no walsender waits on us yet.
 	sess, err := s.sink.Open(sctx, source)
@@ -81,6 +87,8 @@ func (s *Streamer) session(ctx context.Context) (err error) {
 		dec:     decoder.New(s.cfg.Decoder),
 		sess:    sess,
 		source:  source,
+		start:   start,
+		replay:  replay,
 	}
 	l.dec.SetOutbox(s.outbox)
 	s.sent.Store(uint64(start))

@@ -11,6 +11,9 @@ import (
 // sendStatus confirms the tracker's safe LSN in all three positions.
 func (l *loop) sendStatus(replyRequested bool) error {
 	safe := l.tracker.Safe()
+	if l.replay.holding() {
+		safe = l.start // the replay of the stream's tip is not proven yet
+	}
 	err := pglogrepl.SendStandbyStatusUpdate(context.Background(), l.conn, pglogrepl.StandbyStatusUpdate{
 		WALWritePosition: safe, WALFlushPosition: safe, WALApplyPosition: safe, ReplyRequested: replyRequested,
 	})

@@ -67,6 +67,9 @@ type Streamer struct {
 	// (0 until then).
 	outbox   decoder.OutboxIdentity
 	startOID atomic.Uint32
+	// forgotTip: the sequence of a tip whose replay did not reproduce it
+	// and whose loss --accept-lost-rows accepted (only Run's goroutine).
+	forgotTip uint64
 }
 
 // New returns a streamer for the database at connString.

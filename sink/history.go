@@ -18,6 +18,8 @@ type Tip struct {
 	Seq        uint64
 	Source     string // Jetbox-Source
 	CommitLSN  pglogrepl.LSN
+	TxIndex    int    // Jetbox-Tx-Index
+	ID         string // Nats-Msg-Id
 	CommitTime string // Jetbox-Commit-Time, as stored
 	Scheme     string // Jetbox-Index-Scheme: "" when absent (--source=table)
 }
@@ -50,7 +52,8 @@ func (p *Publisher) Tip(ctx context.Context) (Tip, bool, error) {
 	if !ok || src == "" {
 		return Tip{}, false, nil
 	}
-	return Tip{Seq: m.Sequence, Source: src, CommitLSN: pglogrepl.LSN(pos.CommitLSN), CommitTime: m.Header.Get(HeaderCommitTime),
+	return Tip{Seq: m.Sequence, Source: src, CommitLSN: pglogrepl.LSN(pos.CommitLSN), TxIndex: pos.TxIndex, ID: m.Header.Get(jetstream.MsgIDHeader),
+		CommitTime: m.Header.Get(HeaderCommitTime),
 		Scheme: m.Header.Get(HeaderIndexScheme)}, true, nil
 }
 

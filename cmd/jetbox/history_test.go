@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pglogrepl"
 	"github.com/jetbox-dev/jetbox/internal/testenv"
 )
 
@@ -140,6 +141,81 @@ func TestLostSlotRefused(t *testing.T) {
 			f.assertStream(ids)
 			if code := p.stop(); code != exitOK {
 				t.Fatalf("exit %d:\n%s", code, p.tail(4096))
+			}
+		})
+	}
+}
+
+// TestRestoredPrimaryWrittenPastTheTip: the primary is restored in place
+// and applications commit rows before jetbox starts again, so many that the
+// server's WAL position passes the stream's last one: the rewind check at
+// session open passes, and the slot would stream the new rows at positions
+// the stream holds (exactly-once skipped them as replays, and confirmed
+// them). jetbox must refuse (exit 2, rewind: the slot's replay does not
+// reproduce the stream's last message), jetbox repair must replace the slot
+// and publish the new rows, and jetbox run then go on: every row of the
+// restored server in the stream, once.
+func TestRestoredPrimaryWrittenPastTheTip(t *testing.T) {
+	for _, mode := range deliveryModes {
+		t.Run(mode.name, func(t *testing.T) {
+			f := newFixture(t)
+			p := f.start(mode.env)
+			f.waitStreaming(p)
+			conn := f.conn()
+			f.insertTx(conn, "before", 3)
+			f.waitCount(3, 30*time.Second)
+			p.stop()
+			conn.Close(ctxT(t, 5*time.Second))
+
+			f.pg.Stop("fast")
+			restore := f.pg.Snapshot(t)
+			f.pg.Start()
+			p = f.start(mode.env)
+			f.waitStreaming(p)
+			f.insertTx(f.conn(), "after", 3)
+			f.waitCount(6, 30*time.Second)
+			last := testenv.ReadStream(t, f.js, "OUTBOX", true)[5]
+			p.stop()
+
+			f.pg.Stop("fast")
+			restore()
+			f.pg.Start()
+			conn = f.conn()
+			tipLSN, err := pglogrepl.ParseLSN(last.Header.Get("Jetbox-Commit-LSN"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			// One row per transaction until the server's position is past
+			// the tip: rows before and after the tip's position.
+			var restored []string
+			for len(restored) < 200 {
+				restored = append(restored, f.insertTx(conn, "restored", 1)...)
+				var pos string
+				if err := conn.QueryRow(ctxT(t, 5*time.Second), "SELECT pg_current_wal_lsn()::text").Scan(&pos); err != nil {
+					t.Fatal(err)
+				}
+				if lsn, _ := pglogrepl.ParseLSN(pos); lsn > tipLSN+0x400 && len(restored) >= 5 {
+					break
+				}
+			}
+			p = f.start(mode.env)
+			p.waitExit(exitConfig, "rewind:", "does not reproduce", "jetbox repair")
+			f.waitCount(6, time.Second)
+
+			f.repair()
+			p = f.start(mode.env)
+			f.waitStreaming(p)
+			fresh := f.insertTx(conn, "fresh", 3)
+			f.waitCount(6+len(restored)+len(fresh), time.Minute)
+			if code := p.stop(); code != exitOK {
+				t.Fatalf("exit %d:\n%s", code, p.tail(4096))
+			}
+			var got []string
+			for _, m := range testenv.ReadStream(t, f.js, "OUTBOX", true)[6:] {
+				got = append(got, m.ID)
+			}
+			if want := append(append([]string(nil), restored...), fresh...); fmt.Sprint(got) != fmt.Sprint(want) {
+				t.Fatalf("after the repair the stream holds %v, want the restored server's rows %v then %v", got, restored, fresh)
 			}
 		})
 	}

@@ -190,7 +190,8 @@ type sinkAdapter struct {
 // Tip reads the stream's last jetbox message (see replication.TipSource).
 func (a sinkAdapter) Tip(ctx context.Context) (replication.StreamTip, bool, error) {
 	t, ok, err := a.p.Tip(ctx)
-	return replication.StreamTip{Seq: t.Seq, Source: t.Source, CommitLSN: t.CommitLSN, CommitTime: t.CommitTime, Scheme: t.Scheme}, ok, err
+	return replication.StreamTip{Seq: t.Seq, Source: t.Source, CommitLSN: t.CommitLSN, TxIndex: t.TxIndex, ID: t.ID,
+		CommitTime: t.CommitTime, Scheme: t.Scheme}, ok, err
 }
 
 // Forget abandons the positions of an accepted lost history.

@@ -1,0 +1,140 @@
+package replication
+
+import (
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+)
+
+func TestTipReplay(t *testing.T) {
+	tip := StreamTip{Seq: 9, Source: fakeSource, CommitLSN: 0x3000, TxIndex: 1, ID: "b"}
+	type step struct {
+		kind  string // "event", "commit" or "walend"
+		lsn   pglogrepl.LSN
+		index int
+		id    string
+	}
+	for _, c := range []struct {
+		name    string
+		start   pglogrepl.LSN
+		steps   []step
+		want    bool // a rewind error at the last step
+		holding bool // confirmations still held after the steps
+	}{
+		{"slot after the tip", 0x3100, []step{{"event", 0x4000, 0, "z"}}, false, false},
+		{"replay reproduces the tip", 0x2000, []step{{"event", 0x2800, 0, "x"}, {"commit", 0x2800, 0, ""}, {"event", 0x3000, 0, "a"}, {"event", 0x3000, 1, "b"}, {"event", 0x3000, 2, "c"}, {"commit", 0x3000, 0, ""}}, false, false},
+		{"replay before the tip, still holding", 0x2000, []step{{"event", 0x2800, 0, "x"}, {"commit", 0x2800, 0, ""}, {"walend", 0x2f00, 0, ""}}, false, true},
+		{"another id at the tip's position", 0x2000, []step{{"event", 0x3000, 0, "a"}, {"event", 0x3000, 1, "new"}}, true, true},
+		{"an event past the tip", 0x2000, []step{{"event", 0x2800, 0, "x"}, {"event", 0x3400, 0, "new"}}, true, true},
+		{"the tip's transaction ends without it", 0x2000, []step{{"event", 0x3000, 0, "a"}, {"commit", 0x3000, 0, ""}}, true, true},
+		{"a commit past the tip", 0x2000, []step{{"commit", 0x3200, 0, ""}}, true, true},
+		{"the walsender past the tip", 0x2000, []step{{"event", 0x2800, 0, "x"}, {"commit", 0x2800, 0, ""}, {"walend", 0x3001, 0, ""}}, true, true},
+		{"slot at the tip's commit", 0x3000, []step{{"event", 0x3000, 0, "a"}, {"event", 0x3000, 1, "b"}}, false, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			r := newTipReplay(tip, c.start)
+			var err error
+			for i, s := range c.steps {
+				switch s.kind {
+				case "event":
+					err = r.event(s.lsn, s.index, s.id)
+				case "commit":
+					err = r.commit(s.lsn)
+				case "walend":
+					err = r.walEnd(s.lsn)
+				}
+				if err != nil && i != len(c.steps)-1 {
+					t.Fatalf("step %d: %v", i, err)
+				}
+			}
+			var he *HistoryError
+			if got := errors.As(err, &he) && he.Case == CaseRewind; got != c.want {
+				t.Fatalf("rewind error %v, want %v (err %v)", got, c.want, err)
+			}
+			if r.holding() != c.holding {
+				t.Fatalf("holding %v, want %v", r.holding(), c.holding)
+			}
+		})
+	}
+}
+
+// A server restored in place and written past the stream's tip passes the
+// rewind check at session open (its WAL position is past the tip): the
+// slot then streams new transactions at positions the stream holds. The
+// session confirms nothing past the slot's position and stops with the
+// rewind error once the replay passes the tip without reproducing it.
+func TestRewindWrittenPastTheTipStops(t *testing.T) {
+	sink := &fakeSink{}
+	h := newHarness(t, Config{}, sink)
+	x := h.tx(2) // the new history: other rows at the positions the stream holds
+	y := h.tx(1)
+	sink.tip = &StreamTip{Seq: 40, Source: fakeSource, CommitLSN: y.commit, TxIndex: 0, ID: "old-row"}
+	h.run()
+	h.wal.send(x.all()...)
+	h.wal.send(y.all()...)
+	var err error
+	select {
+	case err = <-h.done:
+		h.done = nil
+	case <-time.After(30 * time.Second):
+		t.Fatal("jetbox did not stop on a replay that does not reproduce the tip")
+	}
+	var he *HistoryError
+	if !errors.As(err, &he) || he.Case != CaseRewind {
+		t.Fatalf("Run returned %v, want a rewind error", err)
+	}
+	for _, st := range h.wal.allStatuses() {
+		if st.flush > startLSN {
+			t.Fatalf("confirmed %s, past the slot's %s, before the replay was proven", st.flush, startLSN)
+		}
+	}
+}
+
+// A replay that reproduces the tip goes on: confirmations are held until
+// it does, then follow the acks.
+func TestReplayOfTheTipGoesOn(t *testing.T) {
+	sink := &fakeSink{}
+	h := newHarness(t, Config{}, sink)
+	x := h.tx(2)
+	y := h.tx(1)
+	sink.tip = &StreamTip{Seq: 40, Source: fakeSource, CommitLSN: x.commit, TxIndex: 1, ID: x.ids[1]}
+	h.run()
+	waitFor(t, "the first status update", func() bool { _, _, n := h.wal.counts(); return n >= 1 })
+	h.wal.send(x.begin(), x.insert(0))
+	h.waitStored(x.ids[0])
+	h.wal.send(keepalive(x.commit-0x10, true))
+	waitFor(t, "a status update after the keepalive", func() bool { _, _, n := h.wal.counts(); return n >= 2 })
+	if f := h.wal.lastFlush(); f != startLSN {
+		t.Fatalf("confirmed %s before the replay reached the tip, want %s", f, startLSN)
+	}
+	h.wal.send(x.insert(1), x.commitData())
+	h.wal.send(y.all()...)
+	h.waitStored(y.ids[0])
+	h.waitFlush(y.end)
+	h.finished()
+}
+
+// With --accept-lost-rows a replay that does not reproduce the tip is
+// accepted once: the tip is forgotten and streaming goes on.
+func TestRewindWrittenPastTheTipAccepted(t *testing.T) {
+	sink := &fakeSink{}
+	h := newHarness(t, Config{AcceptLostRows: true}, sink)
+	x := h.tx(1)
+	sink.tip = &StreamTip{Seq: 40, Source: fakeSource, CommitLSN: x.commit, TxIndex: 0, ID: "old-row"}
+	h.run()
+	h.wal.send(x.begin(), x.insert(0)) // the session ends here: its commit is not sent
+	waitFor(t, "the next session's first status update", func() bool {
+		for _, st := range h.wal.allStatuses() {
+			if st.conn >= 2 {
+				return true
+			}
+		}
+		return false
+	})
+	h.wal.send(x.all()...) // the slot replays from where it was
+	waitFor(t, "the tip to be forgotten", func() bool { return sink.forgot.Load() == 40 })
+	h.waitFlush(x.end)
+	h.finished()
+}
