@@ -389,7 +389,7 @@ var errSinkDown = errors.New("fake sink: NATS unreachable")
 const fakeSource = "7300000000000000001/1/app/jetbox"
 
 // Tip returns the scripted tip, unless Forget abandoned it.
-func (s *fakeSink) Tip(context.Context) (StreamTip, bool, error) {
+func (s *fakeSink) Tip(context.Context, string) (StreamTip, bool, error) {
 	if s.tip == nil || s.forgot.Load() >= int64(s.tip.Seq) {
 		return StreamTip{}, false, nil
 	}

@@ -11,6 +11,7 @@ import (
 
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/rs/zerolog"
 )
 
@@ -30,7 +31,9 @@ type StreamTip struct {
 // it with the server at every session open (see VerifyHistory); with
 // AcceptLostRows, Forget is called with the tip an accepted loss abandons.
 type TipSource interface {
-	Tip(ctx context.Context) (StreamTip, bool, error)
+	// Tip returns the last message that writer (decoder.Origin.Writer)
+	// stored on jetbox's subjects.
+	Tip(ctx context.Context, writer string) (StreamTip, bool, error)
 	Forget(tip StreamTip)
 }
 
@@ -61,26 +64,7 @@ func (e *HistoryError) Permanent() bool { return true }
 
 // sourceOf is the WAL history an event comes from (decoder.Event.Source).
 func sourceOf(sys pglogrepl.IdentifySystemResult, slot string) string {
-	return fmt.Sprintf("%s/%d/%s/%s", sys.SystemID, sys.Timeline, sys.DBName, slot)
-}
-
-// source is a parsed Jetbox-Source.
-type source struct {
-	systemID string
-	timeline int32
-	db, slot string
-}
-
-func parseSource(s string) (source, bool) {
-	parts := strings.Split(s, "/")
-	if len(parts) != 4 {
-		return source{}, false
-	}
-	tl, err := strconv.ParseInt(parts[1], 10, 32)
-	if err != nil {
-		return source{}, false
-	}
-	return source{systemID: parts[0], timeline: int32(tl), db: parts[2], slot: parts[3]}, true
+	return decoder.Origin{SystemID: sys.SystemID, Timeline: sys.Timeline, Database: sys.DBName, Slot: slot}.String()
 }
 
 // server is what VerifyHistory needs to know about Postgres.
@@ -98,8 +82,8 @@ func verify(ctx context.Context, tip StreamTip, haveTip bool, srv server, slot s
 	if !haveTip {
 		return nil
 	}
-	src, ok := parseSource(tip.Source)
-	if !ok || src.systemID != srv.sys.SystemID || src.db != srv.sys.DBName || src.slot != slot {
+	src, ok := decoder.ParseOrigin(tip.Source)
+	if !ok || src.SystemID != srv.sys.SystemID || src.Database != srv.sys.DBName || src.Slot != slot {
 		return nil // not this database's history
 	}
 	if !srv.slot {
@@ -111,7 +95,7 @@ func verify(ctx context.Context, tip StreamTip, haveTip bool, srv server, slot s
 			"replication slot %q %s on this server (timeline %d) while the stream holds jetbox messages from it (a failover to a server without the slot, or the slot was dropped): a new slot would start at the server's current position",
 			slot, what, srv.sys.Timeline)}
 	}
-	if src.timeline == srv.sys.Timeline {
+	if src.Timeline == srv.sys.Timeline {
 		if tip.CommitLSN >= srv.sys.XLogPos {
 			return &HistoryError{Case: CaseRewind, Tip: tip, Detail: fmt.Sprintf(
 				"the stream's last position %s is ahead of the server's WAL position %s on the same timeline %d (the server was restored from a snapshot or backup, or rewound): rows committed since reuse positions the stream already holds",
@@ -119,28 +103,28 @@ func verify(ctx context.Context, tip StreamTip, haveTip bool, srv server, slot s
 		}
 		return nil
 	}
-	if src.timeline > srv.sys.Timeline {
+	if src.Timeline > srv.sys.Timeline {
 		return &HistoryError{Case: CaseTimeline, Tip: tip, Detail: fmt.Sprintf(
-			"the server is on timeline %d, older than the stream's timeline %d (restored from before a failover?)", srv.sys.Timeline, src.timeline)}
+			"the server is on timeline %d, older than the stream's timeline %d (restored from before a failover?)", srv.sys.Timeline, src.Timeline)}
 	}
 	content, err := srv.history(ctx, srv.sys.Timeline)
 	if err != nil {
 		return fmt.Errorf("read the history of timeline %d: %w", srv.sys.Timeline, err)
 	}
-	switchpoint, found, err := branchPoint(content, src.timeline)
+	switchpoint, found, err := branchPoint(content, src.Timeline)
 	if err != nil {
 		return fmt.Errorf("timeline %d history: %w", srv.sys.Timeline, err)
 	}
 	if !found {
 		return &HistoryError{Case: CaseTimeline, Tip: tip, Detail: fmt.Sprintf(
-			"the server's timeline %d does not descend from the stream's timeline %d", srv.sys.Timeline, src.timeline)}
+			"the server's timeline %d does not descend from the stream's timeline %d", srv.sys.Timeline, src.Timeline)}
 	}
 	// The switch point is a record boundary: the commit record starting at
 	// the tip's LSN is on the new timeline only if it starts before it.
 	if switchpoint <= tip.CommitLSN {
 		return &HistoryError{Case: CaseTimeline, Tip: tip, Detail: fmt.Sprintf(
 			"the server's timeline %d branched from the stream's timeline %d at %s, before the stream's last position %s (a failover lost transactions the stream holds; rows committed since reuse their positions)",
-			srv.sys.Timeline, src.timeline, switchpoint, tip.CommitLSN)}
+			srv.sys.Timeline, src.Timeline, switchpoint, tip.CommitLSN)}
 	}
 	return nil
 }
@@ -204,7 +188,12 @@ func checkHistory(ctx context.Context, conn *pgconn.PgConn, cfg Config, ts TipSo
 	// least any position the stream holds (another instance may publish
 	// meanwhile).
 	if ts != nil {
-		if tip, ok, err = ts.Tip(ctx); err != nil {
+		sys, err := pglogrepl.IdentifySystem(ctx, conn)
+		if err != nil {
+			return server{}, StreamTip{}, false, fmt.Errorf("identify system: %w", err)
+		}
+		writer := decoder.Origin{SystemID: sys.SystemID, Database: sys.DBName, Slot: cfg.Slot}.Writer()
+		if tip, ok, err = ts.Tip(ctx, writer); err != nil {
 			return server{}, StreamTip{}, false, fmt.Errorf("read the stream's last jetbox message: %w", err)
 		}
 	}
@@ -225,8 +214,8 @@ func checkHistory(ctx context.Context, conn *pgconn.PgConn, cfg Config, ts TipSo
 // ownTip reports whether the tip comes from this database and slot (on any
 // timeline: verify checked the server continues it).
 func ownTip(tip StreamTip, sys pglogrepl.IdentifySystemResult, slot string) bool {
-	src, ok := parseSource(tip.Source)
-	return ok && src.systemID == sys.SystemID && src.db == sys.DBName && src.slot == slot
+	src, ok := decoder.ParseOrigin(tip.Source)
+	return ok && src.SystemID == sys.SystemID && src.Database == sys.DBName && src.Slot == slot
 }
 
 // checkScheme refuses to count a transaction's events under another scheme

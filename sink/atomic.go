@@ -583,7 +583,7 @@ func (s *AtomicSession) streamHolds(ctx context.Context, pos Position) (bool, er
 		return false, err
 	}
 	last, ok := ParsePosition(m.Header)
-	return ok && sameWriter(m.Header.Get(HeaderSource), s.source) && !last.Less(pos), nil
+	return ok && decoder.SameWriter(m.Header.Get(HeaderSource), s.source) && !last.Less(pos), nil
 }
 
 // oversized returns the first message of a refused batch over the limits

@@ -4,11 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strconv"
-	"strings"
 	"time"
 
 	"github.com/jackc/pglogrepl"
+	"github.com/jetbox-dev/jetbox/decoder"
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
@@ -24,14 +24,16 @@ type Tip struct {
 	Scheme     string // Jetbox-Index-Scheme: "" when absent (--source=table)
 }
 
-// Tip returns the last message on <prefix>.> that jetbox wrote (it carries
-// Jetbox-Source and Jetbox-Commit-LSN); ok is false when the stream does not
-// exist, holds nothing on those subjects, or its last one there is not
-// jetbox's. In a stream shared with other writers (dedup mode) the stream's
-// last message may be foreign: the last one on jetbox's subjects is asked
-// for by subject.
-func (p *Publisher) Tip(ctx context.Context) (Tip, bool, error) {
-	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+// Tip returns the last message on <prefix>.> that writer (a
+// decoder.Origin's Writer: this system, database and slot) stored; ok is
+// false when the stream does not exist or holds none. In a stream shared
+// with other writers (dedup mode: other databases, or other publishers on
+// the prefix) the last message on jetbox's subjects may be another's: the
+// stream's messages on them are then read, headers only, back to this
+// writer's last one. The publisher remembers how far it read, so a later
+// call reads only what was stored since.
+func (p *Publisher) Tip(ctx context.Context, writer string) (Tip, bool, error) {
+	ctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
 	st, err := p.js.Stream(ctx, p.cfg.Stream)
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
@@ -40,21 +42,108 @@ func (p *Publisher) Tip(ctx context.Context) (Tip, bool, error) {
 	if err != nil {
 		return Tip{}, false, fmt.Errorf("look up stream %q: %w", p.cfg.Stream, err)
 	}
-	m, err := st.GetLastMsgForSubject(ctx, p.cfg.SubjectPrefix+".>")
+	filter := p.cfg.SubjectPrefix + ".>"
+	m, err := st.GetLastMsgForSubject(ctx, filter)
 	if errors.Is(err, jetstream.ErrMsgNotFound) {
 		return Tip{}, false, nil
 	}
 	if err != nil {
-		return Tip{}, false, fmt.Errorf("read the last message on %s.> of stream %q: %w", p.cfg.SubjectPrefix, p.cfg.Stream, err)
+		return Tip{}, false, fmt.Errorf("read the last message on %s of stream %q: %w", filter, p.cfg.Stream, err)
 	}
-	pos, ok := ParsePosition(m.Header)
-	src := m.Header.Get(HeaderSource)
-	if !ok || src == "" {
-		return Tip{}, false, nil
+	if t, ok := tipOf(m.Sequence, m.Header, writer); ok {
+		p.rememberTip(writer, m.Sequence, t, true)
+		return t, true, nil
 	}
-	return Tip{Seq: m.Sequence, Source: src, CommitLSN: pglogrepl.LSN(pos.CommitLSN), TxIndex: pos.TxIndex, ID: m.Header.Get(jetstream.MsgIDHeader),
-		CommitTime: m.Header.Get(HeaderCommitTime),
-		Scheme: m.Header.Get(HeaderIndexScheme)}, true, nil
+	// Another writer's: read back to this writer's last message.
+	p.tipMu.Lock()
+	seen := p.tipSeen
+	p.tipMu.Unlock()
+	from, t, found := st.CachedInfo().State.FirstSeq, Tip{}, false
+	if seen.writer == writer && seen.through < m.Sequence && seen.through >= from {
+		from, t, found = seen.through+1, seen.tip, seen.found
+	}
+	if m.Sequence-from > 10000 {
+		p.log.Info().Uint64("from_seq", from).Uint64("to_seq", m.Sequence).Msg("the stream's last message on jetbox's subjects is another writer's: reading back to this database's last one")
+	}
+	err = scanHeaders(ctx, st, filter, from, m.Sequence, func(seq uint64, h nats.Header) {
+		if tt, ok := tipOf(seq, h, writer); ok {
+			t, found = tt, true
+		}
+	})
+	if err != nil {
+		return Tip{}, false, fmt.Errorf("read the stream's messages on %s for this database's last one: %w", filter, err)
+	}
+	p.rememberTip(writer, m.Sequence, t, found)
+	return t, found, nil
+}
+
+// tipSeen is how far Tip read the stream for a writer, and what it found.
+type tipSeen struct {
+	writer  string
+	through uint64
+	tip     Tip
+	found   bool
+}
+
+func (p *Publisher) rememberTip(writer string, through uint64, t Tip, found bool) {
+	p.tipMu.Lock()
+	defer p.tipMu.Unlock()
+	p.tipSeen = tipSeen{writer: writer, through: through, tip: t, found: found}
+}
+
+// tipOf returns the message at seq with headers h as a Tip, if writer stored it.
+func tipOf(seq uint64, h nats.Header, writer string) (Tip, bool) {
+	pos, ok := ParsePosition(h)
+	src := h.Get(HeaderSource)
+	o, parsed := decoder.ParseOrigin(src)
+	if !ok || !parsed || o.Writer() != writer {
+		return Tip{}, false
+	}
+	return Tip{Seq: seq, Source: src, CommitLSN: pglogrepl.LSN(pos.CommitLSN), TxIndex: pos.TxIndex, ID: h.Get(jetstream.MsgIDHeader),
+		CommitTime: h.Get(HeaderCommitTime), Scheme: h.Get(HeaderIndexScheme)}, true
+}
+
+// scanHeaders calls fn for every message on filter from sequence from to
+// through (inclusive), in order, reading headers only with an ordered
+// consumer.
+func scanHeaders(ctx context.Context, st jetstream.Stream, filter string, from, through uint64, fn func(seq uint64, h nats.Header)) error {
+	if from > through {
+		return nil
+	}
+	cons, err := st.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{FilterSubjects: []string{filter}, HeadersOnly: true,
+		DeliverPolicy: jetstream.DeliverByStartSequencePolicy, OptStartSeq: from, InactiveThreshold: 10 * time.Second})
+	if err != nil {
+		return err
+	}
+	defer func() { // its interest would hold messages of an Interest stream
+		if info := cons.CachedInfo(); info != nil {
+			dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+			defer cancel()
+			_ = st.DeleteConsumer(dctx, info.Name)
+		}
+	}()
+	it, err := cons.Messages(jetstream.PullMaxMessages(4096))
+	if err != nil {
+		return err
+	}
+	defer it.Stop()
+	for {
+		m, err := it.Next(jetstream.NextContext(ctx))
+		if err != nil {
+			return err
+		}
+		md, err := m.Metadata()
+		if err != nil {
+			return err
+		}
+		if md.Sequence.Stream > through {
+			return nil
+		}
+		fn(md.Sequence.Stream, m.Headers())
+		if md.Sequence.Stream == through {
+			return nil
+		}
+	}
 }
 
 // ForgetPositionsThrough tells later sessions that the stream's messages up
@@ -62,34 +151,3 @@ func (p *Publisher) Tip(ctx context.Context) (Tip, bool, error) {
 // operator accepted lost rows after a rewind or a failover): exactly-once
 // mode then skips no event by position against them.
 func (p *Publisher) ForgetPositionsThrough(seq uint64) { p.forgetThrough.Store(seq) }
-
-// sameWriter reports whether two Jetbox-Source values name the same system,
-// database and slot, whatever their timelines: replication checks, before
-// a session opens, that the server's timeline continues the stream's.
-// writerOf is source without its timeline: the system, database and slot
-// (a failover keeps the writer; replication checks the timeline continues
-// the stream's). A source of another shape is its own writer.
-func writerOf(source string) string {
-	f := strings.Split(source, "/")
-	if len(f) != 4 {
-		return source
-	}
-	if _, err := strconv.ParseUint(f[1], 10, 32); err != nil {
-		return source
-	}
-	return f[0] + "/" + f[2] + "/" + f[3]
-}
-
-func sameWriter(a, b string) bool {
-	as, bs := strings.Split(a, "/"), strings.Split(b, "/")
-	if len(as) != 4 || len(bs) != 4 {
-		return a == b
-	}
-	if _, err := strconv.ParseUint(as[1], 10, 32); err != nil {
-		return a == b
-	}
-	if _, err := strconv.ParseUint(bs[1], 10, 32); err != nil {
-		return a == b
-	}
-	return as[0] == bs[0] && as[2] == bs[2] && as[3] == bs[3]
-}

@@ -98,6 +98,9 @@ type Publisher struct {
 	// the server does not continue (see ForgetPositionsThrough).
 	forgetThrough atomic.Uint64
 
+	tipMu   sync.Mutex
+	tipSeen tipSeen // how far Tip read the stream (history.go)
+
 	tracing *tracing // nil: off (sink/trace.go)
 }
 

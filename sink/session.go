@@ -161,7 +161,7 @@ func (p *Publisher) resume(ctx context.Context, source string, repair bool) (cur
 	// The same system, database and slot: replication checked that the
 	// server's timeline continues the stream's (see sameWriter), unless an
 	// operator accepted a lost history.
-	sameSource := sameWriter(m.Header.Get(HeaderSource), source) && c.seq > p.forgetThrough.Load()
+	sameSource := decoder.SameWriter(m.Header.Get(HeaderSource), source) && c.seq > p.forgetThrough.Load()
 	c.id, c.pos = m.Header.Get(jetstream.MsgIDHeader), pos
 	if !p.cfg.ExactlyOnce {
 		// Without the order guard, rows after a refused one may be stored
@@ -220,7 +220,7 @@ func (p *Publisher) checkSinceLastAck(ctx context.Context, st jetstream.Stream, 
 			Hint: "exactly-once mode needs jetbox to be the stream's only writer: stop the other publisher (or use --delivery=dedup), then restart jetbox"}
 	}
 	check := func(seq uint64, subject string, h nats.Header) error {
-		if _, ok := ParsePosition(h); !ok || !sameWriter(h.Get(HeaderSource), source) {
+		if _, ok := ParsePosition(h); !ok || !decoder.SameWriter(h.Get(HeaderSource), source) {
 			return &PermanentError{Err: fmt.Errorf("exactly-once: %w (seq %d, subject %s, after jetbox's seq %d)", ErrForeignMessage, seq, subject, acked),
 				Hint: "exactly-once mode needs jetbox to be the stream's only writer: stop the other publisher (or use --delivery=dedup), then restart jetbox"}
 		}

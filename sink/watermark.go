@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -39,8 +40,14 @@ type replays struct {
 	key      string
 }
 
+// watermarkKey is the bucket key of source's watermark in stream: the
+// writer (Origin.Writer, unescaped), so a failover keeps it.
 func watermarkKey(stream, source string) string {
-	return base64.RawURLEncoding.EncodeToString([]byte(stream + "\x00" + writerOf(source)))
+	writer := source
+	if o, ok := decoder.ParseOrigin(source); ok {
+		writer = o.Writer()
+	}
+	return base64.RawURLEncoding.EncodeToString([]byte(stream + "\x00" + writer))
 }
 
 // loadWatermark opens the bucket (creating it) and reads source's

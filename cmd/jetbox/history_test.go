@@ -2,11 +2,13 @@ package main
 
 import (
 	"fmt"
+	"net/url"
 	"sort"
 	"testing"
 	"time"
 
 	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
 	"github.com/jetbox-dev/jetbox/internal/testenv"
 )
 
@@ -219,4 +221,79 @@ func TestRestoredPrimaryWrittenPastTheTip(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestLostSlotRefusedBesideAnotherDatabase: two databases of one cluster
+// forward to one stream on one prefix (dedup mode), one of them named with
+// a '/'. The stream's last message is the other database's when a slot is
+// lost: jetbox must still find its own database's last message and refuse
+// to create a slot past the rows committed meanwhile (the tip was the last
+// message on the prefix, whoever wrote it, and a '/' in the database's name
+// disabled every history check).
+func TestLostSlotRefusedBesideAnotherDatabase(t *testing.T) {
+	f := newFixture(t)
+	f.pg.Exec(t, `CREATE DATABASE "app/two"`)
+	u, err := url.Parse(f.pgURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.Path, u.RawPath = "/app/two", "/"+url.PathEscape("app/two")
+	two := []string{"JETBOX_POSTGRES_URL=" + u.String(), "JETBOX_SLOT=jetbox_two", "JETBOX_DELIVERY=dedup"}
+	ctx := ctxT(t, 30*time.Second)
+	conn2, err := pgx.Connect(ctx, u.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn2.Close(ctx)
+	if _, err := conn2.Exec(ctx, outboxDDL); err != nil {
+		t.Fatal(err)
+	}
+	conn := f.conn()
+
+	// Each database streams a transaction; "app/two" writes last.
+	p := f.start("JETBOX_DELIVERY=dedup")
+	f.waitStreaming(p)
+	f.insertTx(conn, "one", 2)
+	f.waitCount(2, 30*time.Second)
+	p.stop()
+	p2 := f.start(two...)
+	waitSlotActive(t, conn, "jetbox_two", true)
+	f.insertTx(conn2, "two", 2)
+	f.waitCount(4, 30*time.Second)
+	p2.stop()
+
+	for _, c := range []struct {
+		name string
+		env  []string
+		conn *pgx.Conn
+		slot string
+	}{{"the database that did not write last", []string{"JETBOX_DELIVERY=dedup"}, conn, "jetbox"}, {"a database named with a slash", two, conn2, "jetbox_two"}} {
+		t.Run(c.name, func(t *testing.T) {
+			waitSlotActive(t, conn, c.slot, false)
+			f.pg.Exec(t, "SELECT pg_drop_replication_slot($1)", c.slot)
+			f.insertTx(c.conn, "lost", 1)
+			p := f.start(c.env...)
+			p.waitExit(exitConfig, "lost-slot:", fmt.Sprintf("replication slot %q does not exist", c.slot), "jetbox repair")
+			var n int
+			if err := conn.QueryRow(ctxT(t, 5*time.Second), "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1", c.slot).Scan(&n); err != nil || n != 0 {
+				t.Fatalf("jetbox created slot %s (%d, %v) although it refused to start", c.slot, n, err)
+			}
+		})
+	}
+}
+
+// waitSlotActive waits until a walsender holds slot (active) or none does.
+func waitSlotActive(t *testing.T, conn *pgx.Conn, slot string, active bool) {
+	t.Helper()
+	testenv.WaitFor(t, time.Minute, func() error {
+		var got bool
+		err := conn.QueryRow(ctxT(t, 5*time.Second), `SELECT EXISTS (SELECT 1 FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid WHERE s.slot_name = $1)`, slot).Scan(&got)
+		if err != nil {
+			return err
+		}
+		if got != active {
+			return fmt.Errorf("slot %s active %v, want %v", slot, got, active)
+		}
+		return nil
+	})
 }
