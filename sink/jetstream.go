@@ -368,7 +368,7 @@ func (p *Publisher) closedErr(err error) error {
 		return err
 	}
 	return &PermanentError{Err: fmt.Errorf("the NATS connection is closed for good (the client's last error: %v), so nothing more can be published: %w", p.nc.LastError(), err),
-		Hint: "see the NATS error jetbox logged before it and the server's log (a subject over the server's max_control_line: set --nats-max-control-line to the server's value), fix the cause and restart jetbox; nothing past the last stored event was confirmed, so a restart loses nothing"}
+		Hint: "see the NATS error jetbox logged before it and the server's log (\"maximum control line exceeded\": a subject over the server's max_control_line, so set --nats-max-control-line to the server's value), fix the cause and restart jetbox; nothing past the last stored event was confirmed, so a restart loses nothing"}
 }
 
 // SubjectLimit returns the longest subject a publish may carry: the
