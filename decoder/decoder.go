@@ -58,6 +58,11 @@ type Config struct {
 	// MaxMessageSize is the largest message the server and the stream take
 	// (see Event.WireSize); a larger row is invalid (ReasonTooLarge). 0: no check.
 	MaxMessageSize int
+	// MaxSubjectLength is the longest subject the server takes (see
+	// sink.Publisher.SubjectLimit: NATS' max_control_line less the reply
+	// subject and sizes on the same line); a longer one is invalid
+	// (ReasonBadSubject). 0: no check.
+	MaxSubjectLength int
 	// Subjects renders each event's subject (see ParseTemplate); nil:
 	// DefaultSubjectTemplate.
 	Subjects *Template

@@ -4,6 +4,7 @@ import (
 	"encoding/hex"
 	"fmt"
 	"strings"
+	"unicode/utf8"
 
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5/pgtype"
@@ -271,6 +272,10 @@ func (r *relation) check(ev *Event, cols []column, cfg *Config) *InvalidEventErr
 			}
 			return invalid(ReasonBadSubject, "", serr.Error(), "every value the subject template "+cfg.Subjects.String()+" uses must be one NATS subject token: no spaces, '.', '*', '>' or control characters")
 		}
+		if max := cfg.MaxSubjectLength; max > 0 && len(subject) > max {
+			return invalid(ReasonBadSubject, "", fmt.Sprintf("subject %s... is %d bytes, over the limit of %d (the NATS server's max_control_line less the reply subject and sizes: a longer line makes the server close the connection)", truncate(subject, 64), len(subject), max),
+				"keep the values the subject holds (aggregate_type, event_type, aggregate_id with {aggregate_id}) short, or raise max_control_line on the NATS server and --nats-max-control-line with it")
+		}
 		if dl := cfg.DeadLetterSubject; dl != "" && strings.HasPrefix(subject, dl+".") {
 			return invalid(ReasonBadSubject, "", fmt.Sprintf("subject %s is inside the dead-letter subjects %s.>", subject, dl), "use another aggregate_type, or another --dead-letter-subject")
 		}
@@ -341,6 +346,17 @@ func decodeByteaHex(src []byte) ([]byte, error) {
 		return nil, err
 	}
 	return out, nil
+}
+
+// truncate returns s cut to at most n bytes, on a rune boundary.
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	for n > 0 && !utf8.RuneStart(s[n]) {
+		n--
+	}
+	return s[:n]
 }
 
 // printable reports whether s has no ASCII control characters.

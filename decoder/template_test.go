@@ -147,3 +147,67 @@ func TestTemplateRows(t *testing.T) {
 		t.Fatalf("message: %v", err)
 	}
 }
+
+// TestSubjectLength: a subject longer than MaxSubjectLength is a bad-subject
+// row (the server would close the connection on it), for the historical
+// template's event_type, a template's aggregate_id and an envelope alike;
+// one at the limit is published; with dead-lettering it becomes a dead
+// letter whose headers stay short.
+func TestSubjectLength(t *testing.T) {
+	const max = 100
+	tpl, _ := ParseTemplate("{prefix}.{aggregate_type}.{aggregate_id}", 0)
+	fit := strings.Repeat("E", max-len("outbox.order.")) // "outbox.order.EEE…" is max bytes
+	for _, c := range []struct {
+		name     string
+		subjects *Template
+		aggID    string
+		evType   string
+		message  bool
+	}{
+		{"event_type", nil, "1", strings.Repeat("E", 5000), false},
+		{"aggregate_id in the template", tpl, strings.Repeat("1", 5000), "E", false},
+		{"envelope", nil, "1", strings.Repeat("E", 5000), true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			for _, dlq := range []string{"", "outbox._dlq"} {
+				d := New(Config{Schema: "public", Table: "outbox", Columns: DefaultColumns, SubjectPrefix: "outbox",
+					Subjects: c.subjects, MessagePrefix: "jetbox", MaxSubjectLength: max, DeadLetterSubject: dlq})
+				decode(t, d, relationMsg(5, "public", "outbox", outboxCols))
+				decode(t, d, beginMsg(0x10, time.Now(), 1))
+				if c.subjects == nil {
+					m := decode(t, d, insertMsg(5, s(id1), s("order"), s("1"), s(fit), s(`{}`), nil, nil))
+					if m.Event.DeadLetter != nil || len(m.Event.Subject) != max {
+						t.Fatalf("a subject of %d bytes, at the limit: %+v", len(m.Event.Subject), m.Event)
+					}
+				}
+				var m Message
+				var err error
+				if c.message {
+					m, err = d.Decode(logicalMsg(true, 1, "jetbox", fmt.Sprintf(`{"id":"m1","aggregate_type":"order","aggregate_id":%q,"event_type":%q,"payload":1}`, c.aggID, c.evType)))
+				} else {
+					m, err = d.Decode(insertMsg(5, s(id1), s("order"), s(c.aggID), s(c.evType), s(`{}`), nil, nil))
+				}
+				if dlq == "" {
+					var ie *InvalidEventError
+					if !errors.As(err, &ie) || ie.Code != ReasonBadSubject || ie.ID == "" ||
+						!strings.Contains(err.Error(), "over the limit of 100") || !strings.Contains(err.Error(), "max_control_line") || len(err.Error()) > 1024 {
+						t.Fatalf("got %v", err)
+					}
+					continue
+				}
+				if err != nil {
+					t.Fatal(err)
+				}
+				dl := m.Event
+				if dl.Subject != "outbox._dlq.bad-subject" || dl.DeadLetter == nil || len(dl.Subject) > max {
+					t.Fatalf("dead letter %s %+v", dl.Subject, dl.DeadLetter)
+				}
+				for _, h := range dl.Headers {
+					if len(h.Value) > 1100 {
+						t.Fatalf("dead-letter header %s of %d bytes", h.Key, len(h.Value))
+					}
+				}
+			}
+		})
+	}
+}

@@ -101,7 +101,7 @@ func (p *Publisher) OpenAtomic(ctx context.Context, source string) (*AtomicSessi
 	}
 	c, err := p.resume(ctx, source, false)
 	if err != nil {
-		return nil, err
+		return nil, p.closedErr(err)
 	}
 	cfg := c.stream.CachedInfo().Config
 	if err := p.atomicSupport(cfg.AllowAtomicPublish); err != nil {
@@ -116,7 +116,7 @@ func (p *Publisher) OpenAtomic(ctx context.Context, source string) (*AtomicSessi
 			return nil, p.deniedErr
 		default:
 		}
-		return nil, err
+		return nil, p.closedErr(err)
 	}
 	maxSize := int(p.nc.MaxPayload())
 	if m := int(cfg.MaxMsgSize); m > 0 && m < maxSize {
@@ -439,9 +439,9 @@ func (s *AtomicSession) publish(batch []batchMsg) error {
 	abort(nil)
 	if err != nil {
 		if cause := context.Cause(actx); cause != nil && !errors.Is(cause, context.Canceled) {
-			return cause // the connection dropped, or NATS denied the publish
+			return s.p.closedErr(cause) // the connection dropped, or NATS denied the publish
 		}
-		return err
+		return s.p.closedErr(err)
 	}
 	if err := s.p.checkStream(ack.Stream, batch[0].msg.Subject); err != nil {
 		return err

@@ -16,4 +16,17 @@ const (
 	// creates (Config.DuplicateWindow, --duplicate-window): JetStream's own
 	// default.
 	DefaultDuplicateWindow = 2 * time.Minute
+	// DefaultMaxControlLine is nats-server's default max_control_line
+	// (MAX_CONTROL_LINE_SIZE, 4 KiB; Config.MaxControlLine,
+	// --nats-max-control-line). The server does not send its value in INFO,
+	// so a server configured otherwise must be told.
+	DefaultMaxControlLine = 4096
 )
+
+// controlLineReserve is what a publish's control line holds besides the
+// subject, against max_control_line: nats-server measures the arguments of
+// HPUB <subject> <reply> <header size> <total size> (not the verb or CRLF).
+// jetbox's replies are nats.go's inboxes, at most 38 bytes (_INBOX. + 22 +
+// . + 8 for a request, 20 for an async publish; jetbox refuses a custom
+// inbox prefix): 64 leaves room. Two sizes of up to 10 digits, three spaces.
+const controlLineReserve = 64 + 2*10 + 3

@@ -55,6 +55,9 @@ type Config struct {
 	PublishTimeout  time.Duration // how long to wait for one PubAck
 	MaxPending      int           // async publishes in flight (the tracker's window)
 	OrderGuard      bool          // set Nats-Expected-Last-Sequence (see package doc)
+	// MaxControlLine is the server's max_control_line (see SubjectLimit);
+	// 0: DefaultMaxControlLine.
+	MaxControlLine int
 	// ExactlyOnce: jetbox is the stream's only writer; every publish expects
 	// the stream's last sequence, and replayed events at or before the
 	// stream's last message are skipped by position (see Open).
@@ -93,6 +96,7 @@ type Publisher struct {
 	denyOnce  sync.Once
 	denied    chan struct{} // closed on the first permissions violation for our subjects
 	deniedErr error
+	gone      chan struct{} // closed once the connection is CLOSED (see closedErr)
 
 	// forgetThrough: messages up to this sequence belong to a WAL history
 	// the server does not continue (see ForgetPositionsThrough).
@@ -112,6 +116,9 @@ func New(nc *nats.Conn, cfg Config, log zerolog.Logger) (*Publisher, error) {
 	if cfg.MaxPending < 1 {
 		cfg.MaxPending = DefaultMaxPending
 	}
+	if cfg.MaxControlLine <= 0 {
+		cfg.MaxControlLine = DefaultMaxControlLine
+	}
 	if cfg.Metrics == nil {
 		cfg.Metrics = metrics.New()
 	}
@@ -123,8 +130,34 @@ func New(nc *nats.Conn, cfg Config, log zerolog.Logger) (*Publisher, error) {
 	if err != nil {
 		return nil, fmt.Errorf("jetstream context: %w", err)
 	}
-	return &Publisher{cfg: cfg, nc: nc, js: js, denied: make(chan struct{}), tracing: newTracing(cfg.TracerProvider, cfg.Stream, spanTemplate(cfg)),
-		log: log.With().Str("component", "sink").Str("stream", cfg.Stream).Logger()}, nil
+	p := &Publisher{cfg: cfg, nc: nc, js: js, denied: make(chan struct{}), gone: make(chan struct{}), tracing: newTracing(cfg.TracerProvider, cfg.Stream, spanTemplate(cfg)),
+		log: log.With().Str("component", "sink").Str("stream", cfg.Stream).Logger()}
+	// nats.go does not fail pending async publishes when the connection
+	// closes (only on a reconnect): watch fails them at once instead of
+	// after --publish-timeout each.
+	closed := nc.StatusChanged(nats.CLOSED)
+	go func() {
+		<-closed
+		nc.RemoveStatusListener(closed)
+		close(p.gone)
+	}()
+	if nc.IsClosed() { // closed before the listener was registered
+		nc.RemoveStatusListener(closed)
+	}
+	return p, nil
+}
+
+// Closed is closed once the connection is CLOSED for good: nothing can be
+// published any more (ClosedError says why).
+func (p *Publisher) Closed() <-chan struct{} { return p.gone }
+
+// ClosedError is the permanent error of a CLOSED connection (see Closed);
+// nil while the connection is not closed.
+func (p *Publisher) ClosedError() error {
+	if !p.nc.IsClosed() {
+		return nil
+	}
+	return p.closedErr(nats.ErrConnectionClosed)
 }
 
 var deniedSubject = regexp.MustCompile(`Publish to "([^"]+)"`)
@@ -236,7 +269,7 @@ func (p *Publisher) Open(ctx context.Context, source string) (*Session, error) {
 func (p *Publisher) open(ctx context.Context, source string, repair bool) (*Session, error) {
 	c, err := p.resume(ctx, source, repair)
 	if err != nil {
-		return nil, err
+		return nil, p.closedErr(err)
 	}
 	replicas := c.stream.CachedInfo().Config.Replicas
 	s := &Session{p: p, pending: make(chan pendingAck, p.cfg.MaxPending+1), quit: make(chan struct{}), source: source,
@@ -315,7 +348,7 @@ func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
 		if errors.Is(err, nats.ErrMaxPayload) {
 			return tooLarge(ev.ID, pos, fmt.Sprintf("message of %d bytes (payload %d) is over the server's max_payload of %d bytes", len(msg.Data)+headerSize(msg.Header), len(ev.Payload), s.p.nc.MaxPayload()))
 		}
-		return fmt.Errorf("publish to %s: %w", ev.Subject, err)
+		return s.p.closedErr(fmt.Errorf("publish to %s: %w", ev.Subject, err))
 	}
 	s.prevID, s.prevPos, s.lastID = ev.ID, pos, ev.ID
 	if guarded {
@@ -327,6 +360,26 @@ func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
 	s.pending <- pendingAck{serial: serial, guarded: guarded, expect: s.nextSeq - 1, fut: fut, done: done, committed: ev.CommitTime, id: ev.ID, subject: ev.Subject, pos: pos, size: len(ev.Payload), span: span}
 	return nil
 }
+
+// closedErr returns err as a permanent error when the connection is CLOSED:
+// nats.go never reconnects from it, whatever MaxReconnects, so retrying
+// would go on for ever. (The server closes a connection on some protocol
+// errors, such as -ERR 'Maximum Control Line Exceeded'; nats.go closes it
+// on an error it does not know.) Other errors are returned as they are.
+func (p *Publisher) closedErr(err error) error {
+	if err == nil || fault.Is(err) || !p.nc.IsClosed() {
+		return err
+	}
+	return &PermanentError{Err: fmt.Errorf("the NATS connection is closed for good (the client's last error: %v), so nothing more can be published: %w", p.nc.LastError(), err),
+		Hint: "see the NATS error jetbox logged before it and the server's log (\"maximum control line exceeded\": a subject over the server's max_control_line, so set --nats-max-control-line to the server's value), fix the cause and restart jetbox; nothing past the last stored event was confirmed, so a restart loses nothing"}
+}
+
+// SubjectLimit returns the longest subject a publish may carry: the
+// server's max_control_line (Config.MaxControlLine; servers do not send
+// theirs in INFO) less the reply subject and sizes that share the line. A
+// longer subject makes the server close the connection for good; the
+// decoder refuses it (decoder.Config.MaxSubjectLength).
+func (p *Publisher) SubjectLimit() int { return p.cfg.MaxControlLine - controlLineReserve }
 
 // noRetry is the publish option of a guarded or serial publish, built once
 // (not per event): nats.go only reads it.
@@ -503,6 +556,8 @@ func (s *Session) watch() {
 			case perr = <-pa.fut.Err():
 			case <-s.p.denied:
 				perr = s.p.deniedErr
+			case <-s.p.gone:
+				perr = s.p.ClosedError()
 			case <-s.quit:
 				// Abandoned: no done runs; their spans end as abandoned
 				// (Close closed pending before quit).
@@ -578,6 +633,9 @@ func (pa pendingAck) report(r serialResult) {
 }
 
 func (p *Publisher) classify(pa pendingAck, err error) error {
+	if cerr := p.closedErr(err); cerr != err {
+		return cerr
+	}
 	var apiErr *jetstream.APIError
 	if errors.As(err, &apiErr) && apiErr.ErrorCode == jetstream.JSErrCodeStreamMessageExceedsMaximum {
 		return tooLarge(pa.id, pa.pos,

@@ -40,6 +40,7 @@ var flagVars = map[string]string{
 	"default_duplicate_window":      durationText(sink.DefaultDuplicateWindow),
 	"default_max_in_flight":         strconv.Itoa(sink.DefaultMaxPending),
 	"default_publish_timeout":       durationText(sink.DefaultPublishTimeout),
+	"default_nats_max_control_line": strconv.Itoa(sink.DefaultMaxControlLine),
 	"default_status_interval":       durationText(replication.DefaultStatusInterval),
 	"default_postgres_timeout":      durationText(replication.DefaultTimeout),
 	"default_shutdown_timeout":      durationText(replication.DefaultShutdownTimeout),
@@ -76,6 +77,7 @@ type RunFlags struct {
 	NatsTLSCA       string `name:"nats-tls-ca" env:"JETBOX_NATS_TLS_CA" help:"CA certificate(s) to verify the NATS server, PEM." placeholder:"FILE"`
 	NatsTLSCert     string `name:"nats-tls-cert" env:"JETBOX_NATS_TLS_CERT" help:"Client certificate for NATS, PEM (with --nats-tls-key)." placeholder:"FILE"`
 	NatsTLSKey      string `name:"nats-tls-key" env:"JETBOX_NATS_TLS_KEY" help:"Client key for NATS, PEM." placeholder:"FILE"`
+	NatsMaxCtlLine  string `name:"nats-max-control-line" env:"JETBOX_NATS_MAX_CONTROL_LINE" default:"${default_nats_max_control_line}" help:"The NATS server's max_control_line (servers do not announce it): a row whose subject would not fit, with the reply and sizes, is invalid (bad-subject) instead of making the server close the connection."`
 	Table           string `name:"table" env:"JETBOX_TABLE" default:"public.outbox" help:"Outbox table, schema.name."`
 	Slot            string `name:"slot" env:"JETBOX_SLOT" default:"jetbox" help:"Logical replication slot (created if missing)."`
 	Publication     string `name:"publication" env:"JETBOX_PUBLICATION" default:"jetbox" help:"Publication (created if missing)."`
@@ -362,6 +364,10 @@ func (f *RunFlags) Config() (Config, error) {
 	if err != nil || maxInFlight < 1 || maxInFlight > 100000 {
 		bad("max-in-flight", f.MaxInFlight, "not a count between 1 and 100000", "use e.g. 1024")
 	}
+	maxCtlLine, err := strconv.Atoi(f.NatsMaxCtlLine)
+	if err != nil || maxCtlLine < 256 || maxCtlLine > 1<<24 {
+		bad("nats-max-control-line", f.NatsMaxCtlLine, "not a size between 256 and 16777216 bytes", "use the server's max_control_line (nats-server's default: 4096)")
+	}
 	maxBytes, err := parseBytes(f.MaxInFlightBytes)
 	if err != nil || maxBytes < 1024 {
 		bad("max-in-flight-bytes", f.MaxInFlightBytes, "not a size of at least 1KiB", "use e.g. 8MiB")
@@ -440,7 +446,7 @@ func (f *RunFlags) Config() (Config, error) {
 		AcceptLostRows:    acceptLost,
 	}
 	c.Sink = sink.Config{Stream: f.Stream, SubjectPrefix: f.SubjectPrefix, DuplicateWindow: dupWindow,
-		PublishTimeout: publishTimeout, MaxPending: maxInFlight, OrderGuard: orderGuard, ExactlyOnce: f.Delivery == "exactly-once", DeadLetterSubject: deadLetter,
+		PublishTimeout: publishTimeout, MaxPending: maxInFlight, MaxControlLine: maxCtlLine, OrderGuard: orderGuard, ExactlyOnce: f.Delivery == "exactly-once", DeadLetterSubject: deadLetter,
 		AtomicTransactions: atomicTx, SubjectFilter: filter, SubjectsHoldIDs: subjects != nil && subjects.UsesAggregateID(),
 		IndexScheme: c.Replication.Decoder.IndexScheme()}
 	c.LogLevel, c.LogConsole = level, f.LogFormat == "console"

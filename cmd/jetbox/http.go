@@ -12,6 +12,7 @@ import (
 
 	"github.com/jetbox-dev/jetbox/internal/metrics"
 	"github.com/jetbox-dev/jetbox/replication"
+	"github.com/jetbox-dev/jetbox/sink"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/rs/zerolog"
 )
@@ -21,6 +22,7 @@ type opsServer struct {
 	srv      *http.Server
 	ln       net.Listener
 	streamer atomic.Pointer[replication.Streamer]
+	nats     atomic.Pointer[sink.Publisher] // /healthz fails once its connection is CLOSED
 }
 
 // readiness is the /readyz body.
@@ -46,10 +48,7 @@ func startOps(addr string, m *metrics.Metrics, log zerolog.Logger) (*opsServer, 
 	o := &opsServer{ln: ln}
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{}))
-	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
-		w.Header().Set("Content-Type", "text/plain")
-		_, _ = w.Write([]byte("ok\n"))
-	})
+	mux.HandleFunc("GET /healthz", o.health)
 	mux.HandleFunc("GET /readyz", o.ready)
 	o.srv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	go func() {
@@ -59,6 +58,20 @@ func startOps(addr string, m *metrics.Metrics, log zerolog.Logger) (*opsServer, 
 	}()
 	log.Info().Str("addr", ln.Addr().String()).Msg("serving /metrics, /healthz, /readyz")
 	return o, nil
+}
+
+// health is /healthz: 200 unless jetbox can make no progress any more (the
+// NATS connection is CLOSED: jetbox is stopping, see run).
+func (o *opsServer) health(w http.ResponseWriter, _ *http.Request) {
+	w.Header().Set("Content-Type", "text/plain")
+	if p := o.nats.Load(); p != nil {
+		if err := p.ClosedError(); err != nil {
+			w.WriteHeader(http.StatusServiceUnavailable)
+			_, _ = fmt.Fprintf(w, "%v\n", err)
+			return
+		}
+	}
+	_, _ = w.Write([]byte("ok\n"))
 }
 
 func (o *opsServer) ready(w http.ResponseWriter, _ *http.Request) {

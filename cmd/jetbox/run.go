@@ -111,6 +111,7 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "jetbox:", err)
 		return exitFailure
 	}
+	cfg.Replication.Decoder.MaxSubjectLength = pub.SubjectLimit()
 	if dl := cfg.Replication.Decoder.DeadLetterSubject; dl != "" {
 		log.Info().Str("subject", dl+".<reason>").Msg("rows that cannot be published become dead letters")
 	}
@@ -121,11 +122,27 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 	}
 	if ops != nil {
 		ops.streamer.Store(streamer)
+		ops.nats.Store(pub)
 	}
 	if !cfg.Sink.OrderGuard && !cfg.Sink.ExactlyOnce {
 		log.Warn().Msg("--order-guard=false: after a lost publish, later events may be stored before it is republished (out of commit order)")
 	}
-	err = streamer.Run(ctx)
+	// A CLOSED connection never comes back (nats.go does not reconnect from
+	// it, whatever MaxReconnects): stop, whether or not a publish is in
+	// flight to fail on it.
+	rctx, stop := context.WithCancelCause(ctx)
+	defer stop(nil)
+	go func() {
+		select {
+		case <-pub.Closed():
+			stop(errNATSClosed)
+		case <-rctx.Done():
+		}
+	}()
+	err = streamer.Run(rctx)
+	if errors.Is(context.Cause(rctx), errNATSClosed) && (err == nil || errors.Is(err, context.Canceled)) {
+		err = pub.ClosedError()
+	}
 	var he *replication.HistoryError
 	if errors.As(err, &he) {
 		log.Error().Err(err).Str("case", he.Case).Str("after_commit_time", he.Tip.CommitTime).Str("after_lsn", he.Tip.CommitLSN.String()).Msg("the server does not continue the stream's history")
@@ -157,6 +174,9 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 	}
 	return exitOK
 }
+
+// errNATSClosed stops the streamer when the NATS connection is CLOSED.
+var errNATSClosed = errors.New("the NATS connection is closed")
 
 // startEmbeddedNATS runs the NATS server inside jetbox (--nats-url=embedded).
 func startEmbeddedNATS(cfg Config) (*server.Server, error) {
