@@ -7,8 +7,10 @@ import (
 )
 
 // Sink is where events go: one Session per replication session, and a new
-// one after publish failures. Open may fail (the stream is unreachable); an
-// error that implements Permanent() true stops jetbox.
+// one after publish failures. Open is called only while the replication
+// session holds the slot (START_REPLICATION succeeded): a standby opens
+// none. Open may fail (the stream is unreachable); an error that
+// implements Permanent() true stops jetbox.
 type Sink interface {
 	// Open starts a session for events from source (see decoder.Event.Source).
 	Open(ctx context.Context, source string) (Session, error)

@@ -120,6 +120,7 @@ type fakeWAL struct {
 	slotBusy  bool // START_REPLICATION fails with 55006
 	conns     int  // connections accepted
 	starts    int  // START_REPLICATION commands received
+	streams   int  // START_REPLICATION commands that got the slot
 	statuses  []status
 	errs      []string
 	wg        sync.WaitGroup
@@ -208,6 +209,9 @@ func (f *fakeWAL) serve(n int, conn net.Conn) error {
 					be.Send(&pgproto3.ReadyForQuery{TxStatus: 'I'})
 					break
 				}
+				f.mu.Lock()
+				f.streams++
+				f.mu.Unlock()
 				be.Send(&pgproto3.CopyBothResponse{})
 				if err := be.Flush(); err != nil {
 					return err
@@ -305,6 +309,13 @@ func (f *fakeWAL) counts() (conns, starts, statuses int) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return f.conns, f.starts, len(f.statuses)
+}
+
+// streamed returns how many START_REPLICATION commands got the slot.
+func (f *fakeWAL) streamed() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.streams
 }
 
 func (f *fakeWAL) allStatuses() []status {

@@ -21,9 +21,15 @@ import (
 // itself: the same Nats-Msg-Id at the same position. Reaching past the tip
 // without it (an event, a commit or the walsender's position after it)
 // means the WAL there is another history: a *HistoryError (CaseRewind).
+//
+// A replay that passes the tip before any event at or before it went by
+// skipped nothing as a replay, so it loses nothing and goes on: that is
+// also a slot whose confirmed position moved past the tip after this
+// session read both (another instance streamed until this one took over).
 type tipReplay struct {
-	tip     StreamTip
-	pending bool // the tip has not been reproduced yet
+	tip      StreamTip
+	pending  bool // the tip has not been reproduced yet
+	replayed bool // an event at or before the tip went by (the sink skips it as a replay)
 }
 
 // newTipReplay arms the check when the slot's confirmed position start is
@@ -43,12 +49,16 @@ func (r *tipReplay) event(lsn pglogrepl.LSN, index int, id string) error {
 	}
 	switch {
 	case lsn < r.tip.CommitLSN || (lsn == r.tip.CommitLSN && index < r.tip.TxIndex):
-		return nil // before the tip: the replay goes on
+		r.replayed = true // before the tip: the replay goes on
+		return nil
 	case lsn == r.tip.CommitLSN && index == r.tip.TxIndex && id == r.tip.ID:
 		r.pending = false
 		return nil
 	case lsn == r.tip.CommitLSN && index == r.tip.TxIndex:
 		return r.mismatch(fmt.Sprintf("the slot replays row id %q at the stream's last position (transaction %s, row %d), where the stream holds id %q", id, lsn, index, r.tip.ID))
+	case !r.replayed:
+		r.pending = false // past the tip, nothing skipped
+		return nil
 	}
 	return r.mismatch(fmt.Sprintf("the slot's replay reached row id %q at transaction %s, row %d, past the stream's last position (transaction %s, row %d, id %q) without reproducing it", id, lsn, index, r.tip.CommitLSN, r.tip.TxIndex, r.tip.ID))
 }
@@ -56,6 +66,10 @@ func (r *tipReplay) event(lsn pglogrepl.LSN, index int, id string) error {
 // commit checks the end of a replayed transaction that committed at lsn.
 func (r *tipReplay) commit(lsn pglogrepl.LSN) error {
 	if !r.holding() || lsn < r.tip.CommitLSN {
+		return nil
+	}
+	if !r.replayed {
+		r.pending = false
 		return nil
 	}
 	return r.mismatch(fmt.Sprintf("the slot's replay committed transaction %s without the stream's last row (transaction %s, row %d, id %q)", lsn, r.tip.CommitLSN, r.tip.TxIndex, r.tip.ID))
@@ -66,6 +80,10 @@ func (r *tipReplay) commit(lsn pglogrepl.LSN) error {
 // the tip.
 func (r *tipReplay) walEnd(lsn pglogrepl.LSN) error {
 	if !r.holding() || lsn <= r.tip.CommitLSN {
+		return nil
+	}
+	if !r.replayed {
+		r.pending = false
 		return nil
 	}
 	return r.mismatch(fmt.Sprintf("the walsender decoded up to %s, past the stream's last position (transaction %s, row %d, id %q), without replaying it", lsn, r.tip.CommitLSN, r.tip.TxIndex, r.tip.ID))

@@ -29,7 +29,10 @@ func TestTipReplay(t *testing.T) {
 		{"another id at the tip's position", 0x2000, []step{{"event", 0x3000, 0, "a"}, {"event", 0x3000, 1, "new"}}, true, true},
 		{"an event past the tip", 0x2000, []step{{"event", 0x2800, 0, "x"}, {"event", 0x3400, 0, "new"}}, true, true},
 		{"the tip's transaction ends without it", 0x2000, []step{{"event", 0x3000, 0, "a"}, {"commit", 0x3000, 0, ""}}, true, true},
-		{"a commit past the tip", 0x2000, []step{{"commit", 0x3200, 0, ""}}, true, true},
+		{"a commit past the tip after a replayed event", 0x2000, []step{{"event", 0x2800, 0, "x"}, {"commit", 0x3200, 0, ""}}, true, true},
+		{"a commit past the tip, nothing replayed", 0x2000, []step{{"commit", 0x2800, 0, ""}, {"commit", 0x3200, 0, ""}}, false, false},
+		{"the walsender past the tip, nothing replayed", 0x2000, []step{{"walend", 0x3100, 0, ""}}, false, false},
+		{"a stale start: the first event past the tip", 0x2000, []step{{"event", 0x3400, 0, "z"}, {"event", 0x3400, 1, "y"}}, false, false},
 		{"the walsender past the tip", 0x2000, []step{{"event", 0x2800, 0, "x"}, {"commit", 0x2800, 0, ""}, {"walend", 0x3001, 0, ""}}, true, true},
 		{"slot at the tip's commit", 0x3000, []step{{"event", 0x3000, 0, "a"}, {"event", 0x3000, 1, "b"}}, false, false},
 	} {

@@ -57,11 +57,6 @@ func (s *Streamer) session(ctx context.Context) (err error) {
 		replay = newTipReplay(tip, start)
 	}
 	source := sourceOf(sys, s.cfg.Slot)
-	// Open the sink before streaming starts: no walsender waits on us yet.
-	sess, err := s.sink.Open(sctx, source)
-	if err != nil {
-		return fmt.Errorf("open publishing session: %w", err)
-	}
 	args := []string{"proto_version '1'", "publication_names " + quoteLiteral(quoteIdent(s.cfg.Publication))}
 	if s.cfg.Decoder.MessagePrefix != "" {
 		args = append(args, "messages 'true'") // PostgreSQL 14+ (checked by Check)
@@ -69,29 +64,41 @@ func (s *Streamer) session(ctx context.Context) (err error) {
 	// Start at 0/0: the server resumes from the slot's confirmed_flush_lsn.
 	if err := pglogrepl.StartReplication(sctx, conn, quoteIdent(s.cfg.Slot), 0,
 		pglogrepl.StartReplicationOptions{Mode: pglogrepl.LogicalReplication, PluginArgs: args}); err != nil {
-		_ = sess.Close(context.WithoutCancel(ctx))
 		return fmt.Errorf("start replication on slot %q: %w", s.cfg.Slot, err)
 	}
 	log := s.log.With().Str("publication", s.cfg.Publication).Logger()
-	if s.State() == metrics.StateStandby {
-		log.Info().Str("confirmed_lsn", start.String()).Msg("took over the slot")
-	}
-	log.Info().Str("confirmed_lsn", start.String()).Str("source", source).Msg("streaming")
-	s.setState(metrics.StateStreaming)
-
 	l := &loop{
 		s:       s,
 		conn:    conn,
 		log:     log,
 		tracker: checkpoint.New[*decoder.Event](start, s.cfg.MaxInFlight, s.cfg.MaxInFlightBytes),
 		dec:     decoder.New(s.cfg.Decoder),
-		sess:    sess,
 		source:  source,
 		start:   start,
 		replay:  replay,
+		// The first status goes out as the loop starts (run), or
+		// meanwhile if opening the sink takes longer than an interval.
+		nextStatus: time.Now().Add(s.cfg.StatusInterval),
 	}
 	l.dec.SetOutbox(s.outbox)
 	s.sent.Store(uint64(start))
+	// Open the sink only now that this instance holds the slot: a standby
+	// (START_REPLICATION refused, another instance streams) must not take
+	// the stream's tip for its own last ack, and the previous holder's
+	// walsender is gone, so the sink reads the stream after what it stored
+	// (a late store of one it had in flight fails our first expected
+	// sequence: republished). The walsender waits for nothing but our
+	// status meanwhile (openSession sends it).
+	sess, err := l.openSession(sctx)
+	if err != nil {
+		return fmt.Errorf("open publishing session: %w", err)
+	}
+	l.sess = sess
+	if s.State() == metrics.StateStandby {
+		log.Info().Str("confirmed_lsn", start.String()).Msg("took over the slot")
+	}
+	log.Info().Str("confirmed_lsn", start.String()).Str("source", source).Msg("streaming")
+	s.setState(metrics.StateStreaming)
 	err = l.run(ctx)
 	return l.finish(ctx, err)
 }

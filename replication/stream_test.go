@@ -527,9 +527,23 @@ func TestKeepaliveAdoptedOnlyWhenIdle(t *testing.T) {
 // START_REPLICATION failing with 55006 (another instance holds the slot)
 // puts the streamer in standby, retrying; it takes over once the slot is
 // free.
+//
+// A standby opens no publishing session: opening one reads the stream the
+// active instance writes as this process's own (exactly-once raised its
+// last acked sequence to the tip, and more than a window stored before the
+// next retry read as a foreign writer: exit 1). The sink is opened only
+// once START_REPLICATION got the slot.
 func TestStandbyTakesOverWhenSlotFreed(t *testing.T) {
 	sink := &fakeSink{}
 	h := newHarness(t, Config{}, sink)
+	var mu sync.Mutex
+	var marks []int // START_REPLICATIONs that got the slot, at each Open
+	sink.onOpen = func() {
+		n := h.wal.streamed()
+		mu.Lock()
+		marks = append(marks, n)
+		mu.Unlock()
+	}
 	h.wal.setSlotBusy(true)
 	h.run()
 	waitFor(t, "standby and 3 attempts", func() bool {
@@ -542,10 +556,18 @@ func TestStandbyTakesOverWhenSlotFreed(t *testing.T) {
 	if _, _, n := h.wal.counts(); n != 0 {
 		t.Fatalf("%d status updates sent by a standby", n)
 	}
+	if opens, _, _ := sink.stats(); opens != 0 {
+		t.Fatalf("%d publishing sessions opened by a standby, want none", opens)
+	}
 	h.wal.setSlotBusy(false)
 	waitFor(t, "streaming", func() bool { return h.s.State() == metrics.StateStreaming })
-	if closed := sink.closed(); len(closed) < 4 || slices.Contains(closed[:len(closed)-1], false) || closed[len(closed)-1] {
-		t.Fatalf("sink sessions closed: %v; want every one but the streaming one closed", closed)
+	mu.Lock()
+	if !slices.Equal(marks, []int{1}) {
+		t.Fatalf("slots got at each Open: %v; want one Open, after the slot was got", marks)
+	}
+	mu.Unlock()
+	if closed := sink.closed(); !slices.Equal(closed, []bool{false}) {
+		t.Fatalf("sink sessions closed: %v; want only the streaming one, open", closed)
 	}
 	x := h.tx(2)
 	h.wal.send(x.all()...)

@@ -204,20 +204,32 @@ func (p *Publisher) resume(ctx context.Context, source string, repair bool) (cur
 	return c, nil
 }
 
-// checkSinceLastAck makes sure every message stored after the last one this
-// process saw acked in order (no failure before it in its session) is
+// checkSinceLastAck makes sure the messages stored after the last one this
+// process saw acked in order (no failure before it in its session) are
 // jetbox's, from source: a foreign message that slipped in after a refused
 // publish would otherwise let a later one of ours match its expected
-// sequence, and resuming after that one would skip the refused event. At
-// most a window of our messages can be there.
+// sequence, and resuming after that one would skip the refused event.
+//
+// Only a window of ours can follow that ack (the pipeline stops at a
+// failure), so only the window after it is read. More messages than that
+// are another instance's on the same slot: the active one while this one
+// stood by (replication opens a session only once it holds the slot). Each
+// of them is an earlier part of the history resume found at the tip (the
+// same source), stored behind its own checks, and was never in this
+// process's pipeline: they neither tell of a foreign writer nor need this
+// check.
 func (p *Publisher) checkSinceLastAck(ctx context.Context, st jetstream.Stream, source string, lastSeq uint64) error {
 	acked := p.ackedSeq.Load()
 	if acked == 0 || lastSeq <= acked {
 		return nil
 	}
-	if lastSeq-acked > uint64(p.cfg.MaxPending)+16 {
-		return &PermanentError{Err: fmt.Errorf("exactly-once: %w: %d messages were stored after jetbox's last acked one (seq %d), more than it had in flight", ErrForeignMessage, lastSeq-acked, acked),
-			Hint: "exactly-once mode needs jetbox to be the stream's only writer: stop the other publisher (or use --delivery=dedup), then restart jetbox"}
+	// end: the first sequence not checked here (lastSeq, the tip, resume
+	// checked), or the first past the window.
+	end := lastSeq
+	if window := uint64(p.cfg.MaxPending) + 16; lastSeq-acked > window {
+		end = acked + window + 1
+		p.log.Info().Uint64("seq", acked).Uint64("stored_since", lastSeq-acked).
+			Msg("exactly-once: more messages after this process's last acked one than it had in flight: another instance streamed from the slot meanwhile; checking the window after it")
 	}
 	check := func(seq uint64, subject string, h nats.Header) error {
 		if _, ok := ParsePosition(h); !ok || !decoder.SameWriter(h.Get(HeaderSource), source) {
@@ -226,7 +238,7 @@ func (p *Publisher) checkSinceLastAck(ctx context.Context, st jetstream.Stream, 
 		}
 		return nil
 	}
-	if lastSeq-acked < 2 {
+	if end-acked < 2 {
 		return nil
 	}
 	// One headers-only ordered consumer reads them in a few round trips (a
@@ -237,7 +249,7 @@ func (p *Publisher) checkSinceLastAck(ctx context.Context, st jetstream.Stream, 
 	if err != nil {
 		// E.g. a WorkQueue stream refusing a second consumer: one by one.
 		p.log.Warn().Err(err).Msg("exactly-once: cannot read the stream with a consumer; reading messages one by one")
-		for seq := acked + 1; seq < lastSeq; seq++ {
+		for seq := acked + 1; seq < end; seq++ {
 			m, err := st.GetMsg(ctx, seq)
 			if errors.Is(err, jetstream.ErrMsgNotFound) {
 				continue
@@ -258,8 +270,8 @@ func (p *Publisher) checkSinceLastAck(ctx context.Context, st jetstream.Stream, 
 			_ = st.DeleteConsumer(dctx, info.Name)
 		}
 	}()
-	for seq := acked; seq < lastSeq-1; {
-		batch, err := cons.FetchNoWait(int(lastSeq - seq))
+	for seq := acked; seq < end-1; {
+		batch, err := cons.FetchNoWait(int(end - 1 - seq))
 		if err != nil {
 			return fmt.Errorf("exactly-once: read the messages after seq %d: %w", seq, err)
 		}
@@ -270,7 +282,7 @@ func (p *Publisher) checkSinceLastAck(ctx context.Context, st jetstream.Stream, 
 			if err != nil {
 				return fmt.Errorf("exactly-once: read the messages after seq %d: %w", seq, err)
 			}
-			if seq = md.Sequence.Stream; seq >= lastSeq {
+			if seq = md.Sequence.Stream; seq >= end {
 				break
 			}
 			if err := check(seq, m.Subject(), m.Headers()); err != nil {

@@ -1,7 +1,9 @@
 package sink_test
 
 import (
+	"errors"
 	"fmt"
+	"strings"
 
 	"context"
 	"github.com/jetbox-dev/jetbox/decoder"
@@ -319,4 +321,86 @@ func TestExactlyOnceLostAcksAddUp(t *testing.T) {
 	if got := len(testenv.ReadStream(t, js, "OUTBOX", false)); got != 70 {
 		t.Fatalf("%d messages, want 70", got)
 	}
+}
+
+// TestExactlyOnceAfterAnotherInstance: two jetbox instances on one slot
+// write one stream, one at a time. While this process stood by, the active
+// one stored more than a window after this process's last ack; its session
+// open when it takes over again used to read that as a foreign writer
+// ("… more than it had in flight"). Only the window after its last ack can
+// hold its own stores (and a foreign message slipped in among them), so
+// only that window is checked: a foreign message there still stops it.
+//
+// A second publisher with the same source stands for the other instance.
+func TestExactlyOnceAfterAnotherInstance(t *testing.T) {
+	if testing.Short() {
+		t.Skip("server test")
+	}
+	cfg := baseConfig()
+	cfg.ExactlyOnce, cfg.MaxPending = true, 8 // a window of 8+16 messages
+	ctx := context.Background()
+	session := func(t *testing.T, p *sink.Publisher, evs []*decoder.Event) error {
+		t.Helper()
+		s, err := p.Open(ctx, "test")
+		if err != nil {
+			return err
+		}
+		publishN(t, s, evs)
+		cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		defer cancel()
+		if err := s.Close(cctx); err != nil {
+			t.Fatal(err)
+		}
+		return nil
+	}
+	t.Run("more than a window", func(t *testing.T) {
+		n := testenv.StartNATS(t)
+		p := streamPublisher(t, n, cfg)
+		other := newPublisher(t, n, cfg)
+		if err := session(t, p, events("e-", 0, 10)); err != nil {
+			t.Fatal(err)
+		}
+		if err := session(t, other, events("e-", 10, 110)); err != nil { // active while p stood by
+			t.Fatal(err)
+		}
+		// p takes over: the slot replays from before e-5.
+		if err := session(t, p, events("e-", 5, 120)); err != nil {
+			t.Fatalf("a session open after another instance's 100 stores: %v", err)
+		}
+		_, js := n.Connect(t)
+		got := testenv.ReadStream(t, js, "OUTBOX", false)
+		if len(got) != 120 {
+			t.Fatalf("%d messages, want 120", len(got))
+		}
+		for i, m := range got {
+			if want := fmt.Sprint("e-", i); m.ID != want {
+				t.Fatalf("message %d is %s, want %s", i, m.ID, want)
+			}
+		}
+	})
+	t.Run("a foreign message inside the window", func(t *testing.T) {
+		n := testenv.StartNATS(t)
+		p := streamPublisher(t, n, cfg)
+		if err := session(t, p, events("e-", 0, 10)); err != nil {
+			t.Fatal(err)
+		}
+		_, js := n.Connect(t)
+		if _, err := js.Publish(ctx, "outbox.order.E", []byte("foreign")); err != nil {
+			t.Fatal(err)
+		}
+		for i := 10; i < 110; i++ { // jetbox's, from this source, after it
+			m := nats.NewMsg("outbox.order.E")
+			m.Header.Set(jetstream.MsgIDHeader, fmt.Sprint("e-", i))
+			m.Header.Set(sink.HeaderCommitLSN, "0/16B3748")
+			m.Header.Set(sink.HeaderTxIndex, fmt.Sprint(i))
+			m.Header.Set(sink.HeaderSource, "test")
+			if _, err := js.PublishMsg(ctx, m); err != nil {
+				t.Fatal(err)
+			}
+		}
+		err := session(t, p, nil)
+		if !errors.Is(err, sink.ErrForeignMessage) || !strings.Contains(err.Error(), "seq 11") {
+			t.Fatalf("a session open after a foreign message at seq 11: %v, want ErrForeignMessage naming it", err)
+		}
+	})
 }

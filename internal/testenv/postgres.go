@@ -96,6 +96,9 @@ func StartPostgres(t testing.TB, opts ...PGOption) *Postgres {
 // Port is the server's TCP port on 127.0.0.1.
 func (p *Postgres) Port() int { return p.c.Port }
 
+// Log returns the server log so far.
+func (p *Postgres) Log() string { b, _ := os.ReadFile(p.c.LogPath); return string(b) }
+
 // DataDir is the cluster's data directory (pg_hba.conf lives there).
 func (p *Postgres) DataDir() string { return p.c.DataDir() }
 
