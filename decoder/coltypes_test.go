@@ -26,9 +26,9 @@ func TestDomainsBaseType(t *testing.T) {
 	}
 }
 
-// TestDomainColumns: a Relation message gives a domain column the domain's
+// TestDecodeDomainColumns: a Relation message gives a domain column the domain's
 // OID; with the domains set, it is judged and read as its base type.
-func TestDomainColumns(t *testing.T) {
+func TestDecodeDomainColumns(t *testing.T) {
 	const aggT, payloadT = 16400, 16401
 	cols := []col{{"id", oidUUID}, {"aggregate_type", aggT}, {"aggregate_id", oidText}, {"event_type", oidText}, {"payload", payloadT}}
 	row := insertMsg(5, s(id1), s("order"), s("o-1"), s("Created"), s(`\x0102`))
