@@ -181,6 +181,7 @@ type Decoder struct {
 	cfg       Config
 	relations map[uint32]*relation
 	outbox    OutboxIdentity
+	domains   Domains
 
 	inTxn      bool
 	commitLSN  pglogrepl.LSN
@@ -200,6 +201,11 @@ func New(cfg Config) *Decoder {
 // on a Relation message for the outbox in a transaction committed after
 // id.LSN with another OID is an error wrapping ErrTableReplaced.
 func (d *Decoder) SetOutbox(id OutboxIdentity) { d.outbox = id }
+
+// SetDomains sets the domains of the database (see Domains); from then on
+// a Relation message's domain columns are judged, and read, as their base
+// types. A domain it does not know is judged as an unknown type.
+func (d *Decoder) SetDomains(domains Domains) { d.domains = domains }
 
 // InTransaction reports whether a Begin was decoded without its Commit.
 func (d *Decoder) InTransaction() bool { return d.inTxn }

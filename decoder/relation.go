@@ -18,7 +18,10 @@ type relation struct {
 	// column positions in the tuple; -1 when absent
 	id, aggType, aggID, evType, payload, headers int
 	payloadBytea                                 bool
-	problem                                      string // why rows of this relation cannot be decoded
+	// trim: the aggregate type, aggregate id or event type (in fill's
+	// order, after the id) is char(n), whose values arrive space-padded.
+	trim    [4]bool
+	problem string // why rows of this relation cannot be decoded
 	// subjects caches the valid subjects by aggregate and event type (most
 	// outboxes have a handful): no validation and no string per event.
 	subjects map[subjectKey]string
@@ -47,9 +50,29 @@ func typeName(oid uint32) string {
 }
 
 // TableColumn is one column of the outbox table: its name and type OID.
+// For a domain, TypeOID is its base type (see BaseType): CheckColumns and
+// the decoder judge a column by what its values are.
 type TableColumn struct {
 	Name    string
 	TypeOID uint32
+}
+
+// Domains maps the OID of each domain to the type it is declared over
+// (pg_type.typbasetype), which may be another domain. pgoutput's Relation
+// message gives a domain column the domain's OID.
+type Domains map[uint32]uint32
+
+// BaseType returns the type whose values a column of type oid holds: oid
+// itself, or for a domain the base type at the end of its chain of domains.
+func (d Domains) BaseType(oid uint32) uint32 {
+	for range len(d) { // a chain visits each domain once; more is a cycle (bad input)
+		base, ok := d[oid]
+		if !ok || base == 0 {
+			return oid
+		}
+		oid = base
+	}
+	return oid
 }
 
 // ColumnPositions holds where each outbox column sits in a table; -1 when absent.
@@ -100,13 +123,18 @@ func (d *Decoder) newRelation(m *pglogrepl.RelationMessage) *relation {
 	}
 	table := make([]TableColumn, len(m.Columns))
 	for i, col := range m.Columns {
-		table[i] = TableColumn{Name: col.Name, TypeOID: col.DataType}
+		table[i] = TableColumn{Name: col.Name, TypeOID: d.domains.BaseType(col.DataType)}
 	}
 	pos, problems := CheckColumns(d.cfg.Columns, table)
 	r.id, r.aggType, r.aggID, r.evType, r.payload, r.headers =
 		pos.ID, pos.AggregateType, pos.AggregateID, pos.EventType, pos.Payload, pos.Headers
 	if r.payload >= 0 {
-		r.payloadBytea = m.Columns[r.payload].DataType == oidBytea
+		r.payloadBytea = table[r.payload].TypeOID == oidBytea
+	}
+	// The id is not trimmed: it is the Nats-Msg-Id, and rows published
+	// before would change ids (no dedup of their replays).
+	for k, i := range [4]int{-1, r.aggType, r.aggID, r.evType} {
+		r.trim[k] = i >= 0 && table[i].TypeOID == oidBpchar
 	}
 	if len(problems) > 0 {
 		r.problem = strings.Join(problems, "; ")
@@ -201,6 +229,9 @@ func (r *relation) fill(ev *Event, cols []column, cfg *Config) *InvalidEventErro
 		if cols[i].kind == 't' {
 			vals[k] = all[off : off+len(cols[i].data)]
 			off += len(cols[i].data)
+			if r.trim[k] {
+				vals[k] = trimPad(vals[k])
+			}
 		}
 	}
 	ev.ID, ev.AggregateType, ev.AggregateID, ev.EventType = vals[0], vals[1], vals[2], vals[3]
@@ -358,6 +389,10 @@ func truncate(s string, n int) string {
 	}
 	return s[:n]
 }
+
+// trimPad removes the trailing spaces char(n) pads its values with (they
+// are not part of the value: 'order'::char(8) = 'order').
+func trimPad(s string) string { return strings.TrimRight(s, " ") }
 
 // printable reports whether s has no ASCII control characters.
 func printable(s string) bool {

@@ -16,7 +16,8 @@ type RowDecoder struct {
 }
 
 // NewRowDecoder returns a decoder for rows whose values come in the order
-// of cols (name and type OID, as pgoutput's Relation message lists them).
+// of cols (name and type OID, as pgoutput's Relation message lists them,
+// with domains resolved to their base types: see Domains.BaseType).
 func NewRowDecoder(cfg Config, cols []TableColumn) *RowDecoder {
 	m := &pglogrepl.RelationMessage{Namespace: cfg.Schema, RelationName: cfg.Table, ColumnNum: uint16(len(cols))}
 	for _, c := range cols {

@@ -196,6 +196,8 @@ func (f *fakeWAL) serve(n int, conn net.Conn) error {
 				rows(be, []string{"wal_status"}, []string{"reserved"})
 			case strings.HasPrefix(m.String, "SELECT coalesce(to_regclass("):
 				rows(be, []string{"oid", "lsn"}, []string{strconv.Itoa(outboxRelID), "0/1000000"})
+			case strings.HasPrefix(m.String, "SELECT oid::text, typbasetype::text FROM pg_type"):
+				rows(be, []string{"oid", "typbasetype"}, []string{"16500", "25"}) // a domain over text
 			case m.String == "IDENTIFY_SYSTEM":
 				rows(be, []string{"systemid", "timeline", "xlogpos", "dbname"}, []string{"7300000000000000001", "1", "0/9000000", "app"})
 			case strings.HasPrefix(m.String, "START_REPLICATION SLOT "):

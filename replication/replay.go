@@ -128,6 +128,9 @@ func peekReplay(ctx context.Context, connString string, cfg Config, r *tipReplay
 	}
 	defer rows.Close()
 	dec := decoder.New(cfg.Decoder)
+	if domains, err := readDomains(ctx, conn.PgConn()); err == nil {
+		dec.SetDomains(domains)
+	}
 	for rows.Next() && r.holding() {
 		msg, err := dec.Decode(rows.RawValues()[0])
 		var ie *decoder.InvalidEventError
@@ -135,7 +138,7 @@ func peekReplay(ctx context.Context, connString string, cfg Config, r *tipReplay
 		case errors.As(err, &ie):
 			return nil // a row --on-invalid=stop stops on: the streaming session judges
 		case err != nil:
-			return fmt.Errorf("decode what slot %q replays: %w", cfg.Slot, err)
+			return nil // a change the streaming session stops on, with its own error
 		case msg.Kind == decoder.KindEvent:
 			err = r.event(msg.Event.CommitLSN, msg.Event.TxIndex, msg.Event.ID)
 		case msg.Kind == decoder.KindCommit:

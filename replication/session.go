@@ -39,6 +39,14 @@ func (s *Streamer) session(ctx context.Context) (err error) {
 	if err := s.checkOutboxOID(sctx, conn); err != nil {
 		return err
 	}
+	// The Relation message names a domain column's type by the domain's
+	// OID: the decoder reads it as its base type (as check judged it).
+	var domains decoder.Domains
+	if s.cfg.hasTable() {
+		if domains, err = readDomains(sctx, conn); err != nil {
+			return err
+		}
+	}
 	sys := srv.sys
 	start, err := slotPosition(sctx, conn, s.cfg.Slot)
 	if err != nil {
@@ -81,6 +89,7 @@ func (s *Streamer) session(ctx context.Context) (err error) {
 		nextStatus: time.Now().Add(s.cfg.StatusInterval),
 	}
 	l.dec.SetOutbox(s.outbox)
+	l.dec.SetDomains(domains)
 	s.sent.Store(uint64(start))
 	// Open the sink only now that this instance holds the slot: a standby
 	// (START_REPLICATION refused, another instance streams) must not take

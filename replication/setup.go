@@ -62,6 +62,9 @@ type checker struct {
 	// facts gathered along the way
 	superuser, replication, inRecovery bool
 	walLogical, ownsTable              bool
+	// publishGenerated: the publication jetbox creates must publish
+	// generated columns (see tableColumns).
+	publishGenerated bool
 }
 
 func (c *checker) fail(name string, err error) {
@@ -188,22 +191,17 @@ func (c *checker) table() bool {
 		c.l.Add(check.Error, "postgres.table", fmt.Sprintf("table %s is unlogged or temporary: its rows never reach the WAL", name), "ALTER TABLE "+c.cfg.quotedTable()+" SET LOGGED")
 		ok = false
 	}
-	rows, err := c.conn.Query(c.ctx, `SELECT a.attname, CASE WHEN t.typtype = 'd' THEN t.typbasetype ELSE a.atttypid END
-		FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid
-		WHERE a.attrelid = $1::regclass AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum`, c.cfg.quotedTable())
+	tc, err := readColumns(c.ctx, c.conn.PgConn(), c.cfg)
 	if err != nil {
 		c.fail("postgres.table", err)
 		return false
 	}
-	cols, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (decoder.TableColumn, error) {
-		var col decoder.TableColumn
-		return col, r.Scan(&col.Name, &col.TypeOID)
-	})
-	if err != nil {
-		c.fail("postgres.table", err)
-		return false
+	c.publishGenerated = tc.publishGenerated
+	for _, p := range tc.problems {
+		c.l.Add(check.Error, "postgres.table", "table "+name+": "+p.msg, p.fix)
+		ok = false
 	}
-	_, problems := decoder.CheckColumns(c.cfg.Decoder.Columns, cols)
+	_, problems := decoder.CheckColumns(c.cfg.Decoder.Columns, tc.cols)
 	for _, p := range problems {
 		c.l.Add(check.Error, "postgres.table", "table "+name+": "+p, "alter the table to match the outbox DDL in the README, or set the --*-column flags to its column names")
 		ok = false
@@ -219,8 +217,12 @@ func (c *checker) publicationSQL() string {
 	if !c.cfg.hasTable() {
 		return fmt.Sprintf("CREATE PUBLICATION %s", pgx.Identifier{c.cfg.Publication}.Sanitize())
 	}
-	return fmt.Sprintf("CREATE PUBLICATION %s FOR TABLE %s WITH (publish = 'insert', publish_via_partition_root = true)",
-		pgx.Identifier{c.cfg.Publication}.Sanitize(), c.cfg.quotedTable())
+	gen := ""
+	if c.publishGenerated {
+		gen = ", publish_generated_columns = stored" // PostgreSQL 18+
+	}
+	return fmt.Sprintf("CREATE PUBLICATION %s FOR TABLE %s WITH (publish = 'insert', publish_via_partition_root = true%s)",
+		pgx.Identifier{c.cfg.Publication}.Sanitize(), c.cfg.quotedTable(), gen)
 }
 
 // publication reports whether the publication exists.
@@ -329,9 +331,8 @@ func Ensure(ctx context.Context, connString string, cfg Config, log zerolog.Logg
 		return fmt.Errorf("look up publication %q: %w", cfg.Publication, err)
 	}
 	if n == 0 {
-		c := &checker{cfg: cfg}
-		if _, err := conn.Exec(ctx, c.publicationSQL()); err != nil && !isDuplicate(err) { // another instance won the race
-			return fmt.Errorf("create publication %q: %w", cfg.Publication, err)
+		if err := createPublication(ctx, conn, cfg); err != nil {
+			return err
 		}
 		ev := log.Info().Str("publication", cfg.Publication)
 		if cfg.hasTable() {
@@ -362,6 +363,24 @@ func Ensure(ctx context.Context, connString string, cfg Config, log zerolog.Logg
 			return fmt.Errorf("create replication slot %q: %w", cfg.Slot, err)
 		}
 		log.Warn().Str("slot", cfg.Slot).Str("lsn", lsn).Bool("failover", num >= 170000).Msg("created replication slot: outbox rows committed before this LSN are not streamed")
+	}
+	return nil
+}
+
+// createPublication creates the publication Check describes (publishing
+// generated columns when an outbox column is one, on PostgreSQL 18+). A
+// publication another instance created meanwhile is no error.
+func createPublication(ctx context.Context, conn *pgx.Conn, cfg Config) error {
+	c := &checker{cfg: cfg}
+	if cfg.hasTable() {
+		tc, err := readColumns(ctx, conn.PgConn(), cfg)
+		if err != nil {
+			return err
+		}
+		c.publishGenerated = tc.publishGenerated
+	}
+	if _, err := conn.Exec(ctx, c.publicationSQL()); err != nil && !isDuplicate(err) { // another instance won the race
+		return fmt.Errorf("create publication %q: %w", cfg.Publication, err)
 	}
 	return nil
 }

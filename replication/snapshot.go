@@ -217,23 +217,27 @@ func OpenRepair(ctx context.Context, connString string, cfg Config, opt RepairOp
 }
 
 // columns reads the outbox columns' types (as pgoutput's Relation message
-// gives them) and picks the order key.
+// gives them, domains resolved: see readColumns), refuses a table check
+// refuses, and picks the order key.
 func (r *Repair) columns(ctx context.Context, createdAt string) error {
 	d := r.cfg.Decoder
-	rows, err := r.conn.Query(ctx, `SELECT a.attname, a.atttypid FROM pg_attribute a
-		WHERE a.attrelid = $1::regclass AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum`, r.cfg.quotedTable())
+	tc, err := readColumns(ctx, r.conn.PgConn(), r.cfg)
 	if err != nil {
-		return fmt.Errorf("read the columns of %s: %w", r.cfg.qualifiedTable(), err)
+		return err
 	}
-	all, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (decoder.TableColumn, error) {
-		var c decoder.TableColumn
-		return c, row.Scan(&c.Name, &c.TypeOID)
-	})
-	if err != nil {
-		return fmt.Errorf("read the columns of %s: %w", r.cfg.qualifiedTable(), err)
-	}
-	if _, problems := decoder.CheckColumns(d.Columns, all); len(problems) > 0 {
+	all := tc.cols
+	_, problems := decoder.CheckColumns(d.Columns, all)
+	if len(problems) > 0 {
 		return fmt.Errorf("%w: table %s: %s; fix: alter the table to match the outbox DDL in the README, or set the --*-column flags", ErrRepairRefused, r.cfg.qualifiedTable(), strings.Join(problems, "; "))
+	}
+	// What the stream cannot read, repair does not publish either: the
+	// rows after its snapshot would stop jetbox run.
+	if len(tc.problems) > 0 {
+		var msgs []string
+		for _, p := range tc.problems {
+			msgs = append(msgs, p.msg+"; fix: "+p.fix)
+		}
+		return fmt.Errorf("%w: table %s: %s", ErrRepairRefused, r.cfg.qualifiedTable(), strings.Join(msgs, "; "))
 	}
 	hasCreatedAt := false
 	var sel []string
@@ -315,9 +319,8 @@ func ensurePublication(ctx context.Context, conn *pgx.Conn, cfg Config, log zero
 	if n > 0 {
 		return nil
 	}
-	c := &checker{cfg: cfg}
-	if _, err := conn.Exec(ctx, c.publicationSQL()); err != nil && !isDuplicate(err) {
-		return fmt.Errorf("create publication %q: %w", cfg.Publication, err)
+	if err := createPublication(ctx, conn, cfg); err != nil {
+		return err
 	}
 	log.Info().Str("publication", cfg.Publication).Str("table", cfg.qualifiedTable()).Msg("created publication")
 	return nil
