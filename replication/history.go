@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -24,7 +25,11 @@ type StreamTip struct {
 	TxIndex    int    // Jetbox-Tx-Index
 	ID         string // Nats-Msg-Id
 	CommitTime string
-	Scheme     string // how its Jetbox-Tx-Index counted (decoder.Config.IndexScheme)
+	Scheme     string    // how its Jetbox-Tx-Index counted (decoder.Config.IndexScheme)
+	Stored     time.Time // when the server stored it
+	// RepairSince is set on a message of jetbox repair: where its range started.
+	RepairSince string
+	Subject     string
 }
 
 // TipSource is a Sink that can read the stream's tip. The streamer compares
@@ -39,9 +44,10 @@ type TipSource interface {
 
 // History cases: why the stream's history and the server's part.
 const (
-	CaseLostSlot = "lost-slot" // the stream holds rows of this database, the slot is gone
-	CaseRewind   = "rewind"    // the stream is ahead of the server's WAL on the same timeline
-	CaseTimeline = "timeline"  // the server's timeline does not continue the stream's after its last row
+	CaseLostSlot = "lost-slot"         // the stream holds rows of this database, the slot is gone
+	CaseRewind   = "rewind"            // the stream is ahead of the server's WAL on the same timeline
+	CaseTimeline = "timeline"          // the server's timeline does not continue the stream's after its last row
+	CaseRepair   = "unfinished-repair" // a jetbox repair of the slot has not finished (its marker exists)
 )
 
 // HistoryError says the server cannot continue the stream's history: rows
@@ -72,6 +78,7 @@ type server struct {
 	sys      pglogrepl.IdentifySystemResult
 	slot     bool // the slot exists and is not invalidated
 	lostSlot bool // the slot exists but is invalidated
+	marker   bool // a repair of the slot has not finished (RepairMarker exists)
 	history  func(ctx context.Context, timeline int32) ([]byte, error)
 }
 
@@ -79,6 +86,13 @@ type server struct {
 // server continues the stream's history (or the stream holds no jetbox
 // message from this database: a first start).
 func verify(ctx context.Context, tip StreamTip, haveTip bool, srv server, slot string) error {
+	if srv.marker {
+		// Checked at every session open: the repair's slot may be valid,
+		// the stream's tip its own, and the rest of its snapshot missing.
+		return &HistoryError{Case: CaseRepair, Tip: tip, Detail: fmt.Sprintf(
+			"a jetbox repair of slot %q is running or was interrupted (its marker, physical slot %q, exists): the stream misses rows of its snapshot, which the slot does not stream",
+			slot, RepairMarker(slot))}
+	}
 	if !haveTip {
 		return nil
 	}
@@ -164,7 +178,8 @@ func readServer(ctx context.Context, conn *pgconn.PgConn, slot string) (server, 
 	if err != nil {
 		return server{}, fmt.Errorf("identify system: %w", err)
 	}
-	res, err := conn.Exec(ctx, "SELECT coalesce(wal_status, '') FROM pg_replication_slots WHERE slot_name = "+quoteLiteral(slot)).ReadAll()
+	res, err := conn.Exec(ctx, "SELECT coalesce(wal_status, ''), EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = "+quoteLiteral(RepairMarker(slot))+
+		") FROM pg_replication_slots WHERE slot_name = "+quoteLiteral(slot)).ReadAll()
 	if err != nil {
 		return server{}, fmt.Errorf("read slot %q: %w", slot, err)
 	}
@@ -175,6 +190,7 @@ func readServer(ctx context.Context, conn *pgconn.PgConn, slot string) (server, 
 	if len(res) == 1 && len(res[0].Rows) == 1 {
 		srv.lostSlot = string(res[0].Rows[0][0]) == "lost"
 		srv.slot = !srv.lostSlot
+		srv.marker = len(res[0].Rows[0]) > 1 && string(res[0].Rows[0][1]) == "t"
 	}
 	return srv, nil
 }
@@ -250,24 +266,26 @@ func describeScheme(scheme string) string {
 // jetbox creates anything: a missing slot is created only on a first start
 // (the stream holds no jetbox message from this database), and a server
 // that does not continue the stream's history stops jetbox with a
-// *HistoryError, unless cfg.AcceptLostRows.
-func VerifyHistory(ctx context.Context, connString string, cfg Config, ts TipSource, log zerolog.Logger) error {
+// *HistoryError, unless cfg.AcceptLostRows. It returns the tip it checked
+// (ok: there is one of this database and slot).
+func VerifyHistory(ctx context.Context, connString string, cfg Config, ts TipSource, log zerolog.Logger) (tip StreamTip, ok bool, err error) {
 	cc, err := replicationConfig(connString)
 	if err != nil {
-		return err
+		return StreamTip{}, false, err
 	}
 	conn, err := pgconn.ConnectConfig(ctx, cc)
 	if err != nil {
-		return fmt.Errorf("%w: connect for replication: %w", ErrUnreachable, err)
+		return StreamTip{}, false, fmt.Errorf("%w: connect for replication: %w", ErrUnreachable, err)
 	}
 	defer conn.Close(context.WithoutCancel(ctx))
 	srv, tip, ok, err := checkHistory(ctx, conn, cfg, ts, log)
-	if err != nil || !ok || !srv.slot || !ownTip(tip, srv.sys, cfg.Slot) {
-		return err
+	ok = ok && ownTip(tip, srv.sys, cfg.Slot)
+	if err != nil || !ok || !srv.slot {
+		return tip, ok, err
 	}
 	start, err := slotPosition(ctx, conn, cfg.Slot)
 	if err != nil {
-		return err
+		return tip, ok, err
 	}
 	err = peekReplay(ctx, connString, cfg, newTipReplay(tip, start))
 	var he *HistoryError
@@ -275,7 +293,7 @@ func VerifyHistory(ctx context.Context, connString string, cfg Config, ts TipSou
 		log.Warn().Str("case", he.Case).Str("after_commit_time", tip.CommitTime).Str("after_lsn", tip.CommitLSN.String()).
 			Str("detail", he.Detail).Msg("--accept-lost-rows: going on; rows committed after this point may be missing from the stream (jetbox repair re-publishes them from the table)")
 		ts.Forget(tip)
-		return nil
+		return StreamTip{}, false, nil
 	}
-	return err
+	return tip, ok, err
 }

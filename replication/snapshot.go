@@ -95,7 +95,8 @@ type Repair struct {
 	Plan string
 	// Refused is set in a dry run when the real repair would refuse.
 	Refused error
-	// Failover: the slot was created as a failover slot (PostgreSQL 17+).
+	// Failover: the slot becomes a failover slot when the repair is done
+	// (PostgreSQL 17+).
 	Failover bool
 
 	key  string // SQL of the order key, a timestamptz
@@ -189,16 +190,16 @@ func OpenRepair(ctx context.Context, connString string, cfg Config, opt RepairOp
 		return nil, fmt.Errorf("identify system: %w", err)
 	}
 	r.Source = sourceOf(sys, cfg.Slot)
-	var res pglogrepl.CreateReplicationSlotResult
-	if versionNum >= 170000 {
-		// The same kind of slot jetbox run creates: a failover slot.
-		r.Failover = true
-		res, err = pglogrepl.ParseCreateReplicationSlot(r.repl.Exec(ctx,
-			fmt.Sprintf("CREATE_REPLICATION_SLOT %s LOGICAL pgoutput (SNAPSHOT 'export', FAILOVER true)", quoteIdent(cfg.Slot))))
-	} else {
-		res, err = pglogrepl.CreateReplicationSlot(ctx, r.repl, quoteIdent(cfg.Slot), "pgoutput",
-			pglogrepl.CreateReplicationSlotOptions{Mode: pglogrepl.LogicalReplication, SnapshotAction: "EXPORT_SNAPSHOT"})
-	}
+	// On PostgreSQL 17+ jetbox run's slots are failover slots; the
+	// repair's becomes one only when the repair is done (Finish). The
+	// marker is a physical slot, which a standby never gets: a failover
+	// during the repair must not leave the promoted server with the slot
+	// and without the marker (jetbox run would stream from it, and the rest
+	// of the snapshot would be lost). Without the slot there, run stops
+	// with the lost-slot error and a re-run of the repair starts over.
+	r.Failover = versionNum >= 170000
+	res, err := pglogrepl.CreateReplicationSlot(ctx, r.repl, quoteIdent(cfg.Slot), "pgoutput",
+		pglogrepl.CreateReplicationSlotOptions{Mode: pglogrepl.LogicalReplication, SnapshotAction: "EXPORT_SNAPSHOT"})
 	if err != nil {
 		return nil, fmt.Errorf("create replication slot %q with an exported snapshot: %w", cfg.Slot, err)
 	}
@@ -386,6 +387,14 @@ func (r *Repair) Finish(ctx context.Context) error {
 	}
 	if _, err := r.conn.Exec(ctx, "COMMIT"); err != nil {
 		return fmt.Errorf("end the snapshot transaction: %w", err)
+	}
+	if r.Failover {
+		// Then the marker goes: a failover from here on either finds the
+		// slot synced (every row of the snapshot is in the stream) or not
+		// there at all (run stops: lost slot).
+		if _, err := r.repl.Exec(ctx, "ALTER_REPLICATION_SLOT "+quoteIdent(r.cfg.Slot)+" (FAILOVER true)").ReadAll(); err != nil {
+			return fmt.Errorf("make slot %q a failover slot: %w", r.cfg.Slot, err)
+		}
 	}
 	if _, err := r.conn.Exec(ctx, "SELECT pg_drop_replication_slot($1)", RepairMarker(r.cfg.Slot)); err != nil {
 		return fmt.Errorf("drop the repair marker %q: %w", RepairMarker(r.cfg.Slot), err)

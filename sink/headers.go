@@ -29,6 +29,10 @@ const (
 	HeaderTxLast = "Jetbox-Tx-Last"
 	// HeaderRepaired marks a message jetbox repair published from the table.
 	HeaderRepaired = "Jetbox-Repaired"
+	// HeaderRepairSince is on every message of a jetbox repair: where its
+	// range starts (RFC 3339, or "all"), so that a re-run of an interrupted
+	// repair covers the same rows.
+	HeaderRepairSince = "Jetbox-Repair-Since"
 )
 
 // CommitTimeLayout is the format of Jetbox-Commit-Time: RFC 3339 in UTC with

@@ -18,10 +18,15 @@ type Tip struct {
 	Seq        uint64
 	Source     string // Jetbox-Source
 	CommitLSN  pglogrepl.LSN
-	TxIndex    int    // Jetbox-Tx-Index
-	ID         string // Nats-Msg-Id
-	CommitTime string // Jetbox-Commit-Time, as stored
-	Scheme     string // Jetbox-Index-Scheme: "" when absent (--source=table)
+	TxIndex    int       // Jetbox-Tx-Index
+	ID         string    // Nats-Msg-Id
+	CommitTime string    // Jetbox-Commit-Time, as stored
+	Scheme     string    // Jetbox-Index-Scheme: "" when absent (--source=table)
+	Stored     time.Time // when the server stored it
+	// RepairSince is Jetbox-Repair-Since: set on the rows and markers of
+	// a jetbox repair, the start of the range it repairs.
+	RepairSince string
+	Subject     string
 }
 
 // Tip returns the last message on <prefix>.> that writer (a
@@ -50,7 +55,7 @@ func (p *Publisher) Tip(ctx context.Context, writer string) (Tip, bool, error) {
 	if err != nil {
 		return Tip{}, false, fmt.Errorf("read the last message on %s of stream %q: %w", filter, p.cfg.Stream, err)
 	}
-	if t, ok := tipOf(m.Sequence, m.Header, writer); ok {
+	if t, ok := tipOf(m.Sequence, m.Subject, m.Time, m.Header, writer); ok {
 		p.rememberTip(writer, m.Sequence, t, true)
 		return t, true, nil
 	}
@@ -65,8 +70,8 @@ func (p *Publisher) Tip(ctx context.Context, writer string) (Tip, bool, error) {
 	if m.Sequence-from > 10000 {
 		p.log.Info().Uint64("from_seq", from).Uint64("to_seq", m.Sequence).Msg("the stream's last message on jetbox's subjects is another writer's: reading back to this database's last one")
 	}
-	err = scanHeaders(ctx, st, filter, from, m.Sequence, func(seq uint64, h nats.Header) {
-		if tt, ok := tipOf(seq, h, writer); ok {
+	err = scanHeaders(ctx, st, filter, from, m.Sequence, func(seq uint64, subject string, stored time.Time, h nats.Header) {
+		if tt, ok := tipOf(seq, subject, stored, h, writer); ok {
 			t, found = tt, true
 		}
 	})
@@ -92,7 +97,7 @@ func (p *Publisher) rememberTip(writer string, through uint64, t Tip, found bool
 }
 
 // tipOf returns the message at seq with headers h as a Tip, if writer stored it.
-func tipOf(seq uint64, h nats.Header, writer string) (Tip, bool) {
+func tipOf(seq uint64, subject string, stored time.Time, h nats.Header, writer string) (Tip, bool) {
 	pos, ok := ParsePosition(h)
 	src := h.Get(HeaderSource)
 	o, parsed := decoder.ParseOrigin(src)
@@ -100,13 +105,13 @@ func tipOf(seq uint64, h nats.Header, writer string) (Tip, bool) {
 		return Tip{}, false
 	}
 	return Tip{Seq: seq, Source: src, CommitLSN: pglogrepl.LSN(pos.CommitLSN), TxIndex: pos.TxIndex, ID: h.Get(jetstream.MsgIDHeader),
-		CommitTime: h.Get(HeaderCommitTime), Scheme: h.Get(HeaderIndexScheme)}, true
+		CommitTime: h.Get(HeaderCommitTime), Scheme: h.Get(HeaderIndexScheme), Stored: stored, RepairSince: h.Get(HeaderRepairSince), Subject: subject}, true
 }
 
 // scanHeaders calls fn for every message on filter from sequence from to
 // through (inclusive), in order, reading headers only with an ordered
 // consumer.
-func scanHeaders(ctx context.Context, st jetstream.Stream, filter string, from, through uint64, fn func(seq uint64, h nats.Header)) error {
+func scanHeaders(ctx context.Context, st jetstream.Stream, filter string, from, through uint64, fn func(seq uint64, subject string, stored time.Time, h nats.Header)) error {
 	if from > through {
 		return nil
 	}
@@ -139,7 +144,7 @@ func scanHeaders(ctx context.Context, st jetstream.Stream, filter string, from, 
 		if md.Sequence.Stream > through {
 			return nil
 		}
-		fn(md.Sequence.Stream, m.Headers())
+		fn(md.Sequence.Stream, m.Subject(), md.Timestamp, m.Headers())
 		if md.Sequence.Stream == through {
 			return nil
 		}

@@ -94,6 +94,7 @@ type repairer struct {
 	margin         time.Duration
 	progress       time.Duration
 	createdAt      string
+	sinceHeader    string // Jetbox-Repair-Since of every message it stores
 }
 
 func (r *repairer) run(ctx context.Context) (int, error) {
@@ -135,27 +136,6 @@ func (r *repairer) run(ctx context.Context) (int, error) {
 		return exitFailure, err
 	}
 	r.cfg = cfg
-	last, hasLast, err := pub.LastMessage(sctx)
-	if err != nil {
-		return exitFailure, err
-	}
-
-	// What to repair: the rows from `since` on, and the stream's ids from
-	// since - margin (a row's message is stored after the row's time).
-	since, readFrom := r.since, time.Time{}
-	switch {
-	case r.all || (since.IsZero() && !hasLast):
-		since = time.Time{}
-	case since.IsZero():
-		t := last.CommitTime
-		if t.IsZero() {
-			t = last.Stored
-		}
-		since = t.Add(-r.margin)
-	}
-	if !since.IsZero() {
-		readFrom = since.Add(-r.margin)
-	}
 
 	// A slot that does not continue the stream's history (the server was
 	// restored, or rewound, or promoted on a timeline that branched before
@@ -164,10 +144,48 @@ func (r *repairer) run(ctx context.Context) (int, error) {
 	var he *replication.HistoryError
 	hcfg := cfg.Replication
 	hcfg.AcceptLostRows = false
-	if err := replication.VerifyHistory(sctx, cfg.PostgresURL, hcfg, sinkAdapter{p: pub}, r.log); errors.As(err, &he) &&
-		(he.Case == replication.CaseRewind || he.Case == replication.CaseTimeline) {
+	last, hasLast, err := replication.VerifyHistory(sctx, cfg.PostgresURL, hcfg, sinkAdapter{p: pub}, r.log)
+	switch {
+	case errors.As(err, &he) && (he.Case == replication.CaseRewind || he.Case == replication.CaseTimeline):
 		broken = he.Case + ": " + he.Detail
+	case errors.As(err, &he): // a lost slot, an unfinished repair: OpenRepair's plan
+	case err != nil:
+		return exitFailure, err
 	}
+
+	// What to repair: the rows from since on, and the stream's ids from
+	// since - margin (a row's message is stored after the row's time). The
+	// default start is that of the repair whose row is the stream's last
+	// (an interrupted one resumes its own range, never a guess from a row's
+	// time: rows without an order key come first), else this database's
+	// last message's commit time minus the margin.
+	since, readFrom := r.since, time.Time{}
+	switch {
+	case r.all || (since.IsZero() && !hasLast):
+		since = time.Time{}
+	case since.IsZero() && last.RepairSince == "all":
+		since = time.Time{}
+		r.log.Info().Uint64("seq", last.Seq).Msg("repair: the stream's last message is a repair's, of every row: repairing every row")
+	case since.IsZero() && last.RepairSince != "":
+		if since, err = time.Parse(time.RFC3339Nano, last.RepairSince); err != nil {
+			return exitFailure, fmt.Errorf("the stream's last message (seq %d) has %s %q, not an RFC 3339 time: give --since or --all", last.Seq, sink.HeaderRepairSince, last.RepairSince)
+		}
+		r.log.Info().Uint64("seq", last.Seq).Time("since", since).Msg("repair: the stream's last message is a repair's: repairing its range again")
+	case since.IsZero():
+		t, err := time.Parse(time.RFC3339Nano, last.CommitTime)
+		if err != nil || t.IsZero() || t.Year() < 2 {
+			t = last.Stored
+		}
+		since = t.Add(-r.margin)
+	}
+	if !since.IsZero() {
+		readFrom = since.Add(-r.margin)
+	}
+	r.sinceHeader = "all"
+	if !since.IsZero() {
+		r.sinceHeader = since.UTC().Format(time.RFC3339Nano)
+	}
+
 	rep, err := replication.OpenRepair(ctx, cfg.PostgresURL, cfg.Replication, replication.RepairOptions{DryRun: r.dryRun, CreatedAtColumn: r.createdAt, BrokenHistory: broken}, r.log)
 	if err != nil {
 		if errors.Is(err, replication.ErrRepairRefused) {
@@ -200,8 +218,8 @@ func (r *repairer) run(ctx context.Context) (int, error) {
 	if err != nil {
 		return exitFailure, err
 	}
-	if st.published.Load() == 0 && hasLast && last.HasPosition &&
-		(last.Source != rep.Source || last.Position.CommitLSN >= uint64(rep.ConsistentPoint)-1) {
+	if st.published.Load() == 0 && hasLast &&
+		(last.Source != rep.Source || last.CommitLSN >= rep.ConsistentPoint-1) {
 		// Nothing was missing, but the stream's last message belongs to a
 		// history the new slot does not continue (a restore, a failover):
 		// a baseline marker at the repair's position lets jetbox run
@@ -320,7 +338,33 @@ func (r *repairer) publish(ctx context.Context, pub *sink.Publisher, rep *replic
 	deadLetters := map[int]*decoder.InvalidEventError{} // found by the sink, by k
 	acked := 0                                          // rows 0..acked-1 are stored
 	backoff := 200 * time.Millisecond
+	writer := ""
+	if o, ok := decoder.ParseOrigin(rep.Source); ok {
+		writer = o.Writer()
+	}
 	for pass := 1; ; pass++ {
+		if pass > 1 && (r.cfg.Sink.ExactlyOnce || r.cfg.Sink.OrderGuard) {
+			// Acks a cut lost: the stream may hold rows past the last one
+			// acked. With the order guard it holds this repair's rows in
+			// position order, so its last one says how far it got; they
+			// are not sent again (after the duplicate window JetStream
+			// would store them twice).
+			tip, ok, err := pub.Tip(ctx, writer)
+			if err != nil {
+				r.log.Warn().Err(err).Dur("backoff", backoff).Msg("read how far the repair got")
+				if err := sleepCtx(ctx, backoff); err != nil {
+					return err
+				}
+				backoff = min(backoff*2, 30*time.Second)
+				pass--
+				continue
+			}
+			if ok && tip.Source == rep.Source && tip.CommitLSN == commitLSN && tip.TxIndex+1 > acked {
+				r.log.Info().Int("acked", acked).Int("stored", tip.TxIndex+1).Msg("repair: the stream holds rows whose acks were lost: going on after them")
+				st.published.Add(int64(tip.TxIndex + 1 - acked))
+				acked = tip.TxIndex + 1
+			}
+		}
 		sess, err := pub.OpenRepair(ctx, rep.Source)
 		if err != nil {
 			var pe *sink.PermanentError
@@ -368,7 +412,7 @@ func (r *repairer) publish(ctx context.Context, pub *sink.Publisher, rep *replic
 					Str("error", ev.DeadLetter.Error()).Msg("outbox row cannot be published: sending a dead letter instead")
 			}
 			ev.Source = rep.Source
-			ev.Headers = append(ev.Headers, decoder.Header{Key: sink.HeaderRepaired, Value: "true"})
+			ev.Headers = append(ev.Headers, decoder.Header{Key: sink.HeaderRepaired, Value: "true"}, decoder.Header{Key: sink.HeaderRepairSince, Value: r.sinceHeader})
 			if r.cfg.Sink.AtomicTransactions {
 				// Each repaired row stands alone: a consumer that buffers
 				// until a transaction's end must not wait on the next one.
@@ -466,7 +510,10 @@ func (r *repairer) publishBaseline(ctx context.Context, pub *sink.Publisher, rep
 	ev := decoder.Event{ID: fmt.Sprintf("jetbox-repair-%s-%s", rep.Source, rep.ConsistentPoint), Subject: r.cfg.Sink.SubjectPrefix + "." + BaselineSubjectToken,
 		AggregateType: "jetbox", AggregateID: rep.Source, EventType: "RepairBaseline", Payload: payload,
 		CommitLSN: rep.ConsistentPoint - 1, CommitTime: time.Now().UTC(), Source: rep.Source,
-		Headers: []decoder.Header{{Key: sink.HeaderRepaired, Value: "true"}}}
+		Headers: []decoder.Header{{Key: sink.HeaderRepaired, Value: "true"}, {Key: sink.HeaderRepairSince, Value: r.sinceHeader}}}
+	if r.cfg.Sink.AtomicTransactions {
+		ev.Headers = append(ev.Headers, decoder.Header{Key: sink.HeaderTxLast, Value: "true"})
+	}
 	sess, err := pub.OpenRepair(ctx, rep.Source)
 	if err != nil {
 		return fmt.Errorf("open a session for the repair baseline: %w", err)

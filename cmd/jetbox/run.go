@@ -211,7 +211,7 @@ type sinkAdapter struct {
 func (a sinkAdapter) Tip(ctx context.Context, writer string) (replication.StreamTip, bool, error) {
 	t, ok, err := a.p.Tip(ctx, writer)
 	return replication.StreamTip{Seq: t.Seq, Source: t.Source, CommitLSN: t.CommitLSN, TxIndex: t.TxIndex, ID: t.ID,
-		CommitTime: t.CommitTime, Scheme: t.Scheme}, ok, err
+		CommitTime: t.CommitTime, Scheme: t.Scheme, Stored: t.Stored, RepairSince: t.RepairSince, Subject: t.Subject}, ok, err
 }
 
 // Forget abandons the positions of an accepted lost history.
@@ -291,7 +291,7 @@ func ensureAll(ctx context.Context, cfg Config, pub *sink.Publisher, log zerolog
 	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	// Before a missing slot is created: is this a first start?
-	if err := replication.VerifyHistory(sctx, cfg.PostgresURL, cfg.Replication, sinkAdapter{p: pub}, log); err != nil {
+	if _, _, err := replication.VerifyHistory(sctx, cfg.PostgresURL, cfg.Replication, sinkAdapter{p: pub}, log); err != nil {
 		return err
 	}
 	if err := replication.Ensure(sctx, cfg.PostgresURL, cfg.Replication, log); err != nil {
