@@ -261,10 +261,20 @@ func (t *Tracker[T]) FailPending(err error) {
 }
 
 // Failures returns the number of failed events awaiting Requeue and the
-// first error among them.
+// error of the first of them in window order (the cause: the events after
+// a failure usually fail because of it, and their outcomes may be
+// reported first).
 func (t *Tracker[T]) Failures() (int, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	if t.failed == 0 {
+		return 0, nil
+	}
+	for i := range t.entries {
+		if e := &t.entries[i]; !e.commit && e.state == failed {
+			return t.failed, e.err
+		}
+	}
 	return t.failed, t.lastErr
 }
 

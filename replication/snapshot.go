@@ -67,6 +67,12 @@ type RepairOptions struct {
 	// CreatedAtColumn orders and filters the rows when track_commit_timestamp
 	// is off (and rows without a commit timestamp when it is on).
 	CreatedAtColumn string
+	// Margin is how much earlier than the range's start a row may have been
+	// inserted (the longest transaction plus clock skew): with commit
+	// timestamps and a created-at column, a row inserted before since -
+	// Margin is out of the range even when an UPDATE committed it again
+	// later (the commit timestamp is the last change's).
+	Margin time.Duration
 	// BrokenHistory says why the existing slot does not continue the
 	// stream's history (VerifyHistory's rewind or timeline case: a restore,
 	// a failover); repair then drops a valid slot and creates it again.
@@ -99,8 +105,10 @@ type Repair struct {
 	// (PostgreSQL 17+).
 	Failover bool
 
-	key  string // SQL of the order key, a timestamptz
-	cols []decoder.TableColumn
+	key       string // SQL of the order key, a timestamptz
+	createdAt string // SQL of the created-at column, "" when the table has none
+	margin    time.Duration
+	cols      []decoder.TableColumn
 	sel  string // the outbox columns, in cols order
 }
 
@@ -124,7 +132,7 @@ func OpenRepair(ctx context.Context, connString string, cfg Config, opt RepairOp
 	if err != nil {
 		return nil, fmt.Errorf("connect to postgres: %w", err)
 	}
-	r := &Repair{cfg: cfg, conn: conn, log: log.With().Str("component", "repair").Str("slot", cfg.Slot).Logger()}
+	r := &Repair{cfg: cfg, conn: conn, margin: opt.Margin, log: log.With().Str("component", "repair").Str("slot", cfg.Slot).Logger()}
 	defer func() {
 		if err != nil {
 			r.Close(context.WithoutCancel(ctx))
@@ -257,6 +265,9 @@ func (r *Repair) columns(ctx context.Context, createdAt string) error {
 	}
 	r.sel = strings.Join(sel, ", ")
 	ca := pgx.Identifier{createdAt}.Sanitize()
+	if hasCreatedAt {
+		r.createdAt = ca + "::timestamptz"
+	}
 	switch {
 	case r.CommitTimestamps && hasCreatedAt:
 		// Rows older than the commit timestamps (frozen, or from before the
@@ -334,7 +345,11 @@ func (r *Repair) where(since time.Time) string {
 	if since.IsZero() {
 		return ""
 	}
-	return " WHERE " + r.key + " >= " + quoteLiteral(since.UTC().Format(time.RFC3339Nano)) + "::timestamptz"
+	w := " WHERE " + r.key + " >= " + quoteLiteral(since.UTC().Format(time.RFC3339Nano)) + "::timestamptz"
+	if r.CommitTimestamps && r.createdAt != "" {
+		w += " AND " + r.createdAt + " >= " + quoteLiteral(since.Add(-r.margin).UTC().Format(time.RFC3339Nano)) + "::timestamptz"
+	}
+	return w
 }
 
 // Count returns the number of rows at or after since (zero: all rows).
@@ -349,26 +364,42 @@ func (r *Repair) Count(ctx context.Context, since time.Time) (int64, error) {
 // Rows calls fn for every row at or after since (zero: all rows), in the
 // repair order (Order): the order key, then the id. values are the outbox
 // columns' text output, nil for NULL, in Columns order, valid during the
-// call only; t is the row's order key. An error from fn stops the scan.
-func (r *Repair) Rows(ctx context.Context, since time.Time, fn func(values [][]byte, t time.Time) error) error {
-	q := "SELECT (extract(epoch FROM " + r.key + ") * 1000000)::bigint, " + r.sel + " FROM " + r.cfg.quotedTable() +
+// call only; key is the row's order key and inserted its created-at time
+// (zero when the table has no such column). An error from fn stops the
+// scan.
+func (r *Repair) Rows(ctx context.Context, since time.Time, fn func(values [][]byte, key, inserted time.Time) error) error {
+	ins := "NULL::bigint"
+	if r.createdAt != "" {
+		ins = "(extract(epoch FROM " + r.createdAt + ") * 1000000)::bigint"
+	}
+	q := "SELECT (extract(epoch FROM " + r.key + ") * 1000000)::bigint, " + ins + ", " + r.sel + " FROM " + r.cfg.quotedTable() +
 		r.where(since) + " ORDER BY 1 NULLS FIRST, " + pgx.Identifier{r.cfg.Decoder.Columns.ID}.Sanitize()
 	rows, err := r.conn.Query(ctx, q, pgx.QueryResultFormats{pgx.TextFormatCode})
 	if err != nil {
 		return fmt.Errorf("read the outbox rows: %w", err)
 	}
 	defer rows.Close()
+	micros := func(b []byte, what string) (time.Time, error) {
+		if b == nil {
+			return time.Time{}, nil
+		}
+		us, err := strconv.ParseInt(string(b), 10, 64)
+		if err != nil {
+			return time.Time{}, fmt.Errorf("parse the %s %q: %w", what, b, err)
+		}
+		return time.UnixMicro(us).UTC(), nil
+	}
 	for rows.Next() {
 		raw := rows.RawValues()
-		var t time.Time
-		if raw[0] != nil {
-			us, err := strconv.ParseInt(string(raw[0]), 10, 64)
-			if err != nil {
-				return fmt.Errorf("parse the order key %q: %w", raw[0], err)
-			}
-			t = time.UnixMicro(us).UTC()
+		key, err := micros(raw[0], "order key")
+		if err != nil {
+			return err
 		}
-		if err := fn(raw[1:], t); err != nil {
+		inserted, err := micros(raw[1], "created-at time")
+		if err != nil {
+			return err
+		}
+		if err := fn(raw[2:], key, inserted); err != nil {
 			return err
 		}
 	}

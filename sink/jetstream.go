@@ -411,6 +411,7 @@ func (s *Session) waitSerial() error {
 // txText is a transaction's header values, formatted once for all its rows.
 type txText struct {
 	lsn            pglogrepl.LSN
+	time           time.Time
 	lsnText, ctime string
 }
 
@@ -438,8 +439,10 @@ func (p *Publisher) fillHeader(h nats.Header, vals []string, ev *decoder.Event, 
 	for _, uh := range ev.Headers {
 		vals = setHeader(h, vals, uh.Key, uh.Value) // keep the producer's spelling (traceparent)
 	}
-	if ev.CommitLSN != tx.lsn || tx.lsnText == "" {
-		tx.lsn, tx.lsnText, tx.ctime = ev.CommitLSN, ev.CommitLSN.String(), ev.CommitTime.UTC().Format(CommitTimeLayout)
+	// One transaction's events share both (a repair's rows share a commit
+	// LSN, each with its own time).
+	if ev.CommitLSN != tx.lsn || tx.lsnText == "" || !ev.CommitTime.Equal(tx.time) {
+		tx.lsn, tx.time, tx.lsnText, tx.ctime = ev.CommitLSN, ev.CommitTime, ev.CommitLSN.String(), ev.CommitTime.UTC().Format(CommitTimeLayout)
 	}
 	vals = setHeader(h, vals, HeaderAggregateType, ev.AggregateType)
 	vals = setHeader(h, vals, HeaderAggregateID, ev.AggregateID)

@@ -19,49 +19,13 @@ func (p *Publisher) OpenRepair(ctx context.Context, source string) (*Session, er
 	return p.open(ctx, source, true)
 }
 
-// LastMessage is what repair needs of the stream's last message.
-type LastMessage struct {
-	Seq         uint64
-	ID          string
-	Stored      time.Time // the server's time
-	CommitTime  time.Time // Jetbox-Commit-Time; zero if not a jetbox message
-	Source      string
-	Position    Position // Jetbox-Commit-LSN + Jetbox-Tx-Index, if HasPosition
-	HasPosition bool
-}
-
-// LastMessage returns the stream's last message; ok is false when the
-// stream is empty or does not exist.
-func (p *Publisher) LastMessage(ctx context.Context) (last LastMessage, ok bool, err error) {
-	st, err := p.js.Stream(ctx, p.cfg.Stream)
-	if errors.Is(err, jetstream.ErrStreamNotFound) {
-		return LastMessage{}, false, nil
-	}
-	if err != nil {
-		return LastMessage{}, false, fmt.Errorf("look up stream %q: %w", p.cfg.Stream, err)
-	}
-	seq := st.CachedInfo().State.LastSeq
-	if seq == 0 {
-		return LastMessage{}, false, nil
-	}
-	m, err := st.GetMsg(ctx, seq)
-	if err != nil {
-		return LastMessage{}, false, fmt.Errorf("read the stream's last message (seq %d): %w", seq, err)
-	}
-	last = LastMessage{Seq: seq, ID: m.Header.Get(jetstream.MsgIDHeader), Stored: m.Time, Source: m.Header.Get(HeaderSource)}
-	if t, err := time.Parse(time.RFC3339Nano, m.Header.Get(HeaderCommitTime)); err == nil {
-		last.CommitTime = t
-	}
-	last.Position, last.HasPosition = ParsePosition(m.Header)
-	return last, true, nil
-}
-
 // StoredIDs returns the row ids of the messages the stream stored at or
 // after since (the server's time; zero: the whole stream), up to its last
-// message now: Nats-Msg-Id, and Jetbox-Row-Id of dead letters. It reads
-// headers only, with an ordered consumer.
-func (p *Publisher) StoredIDs(ctx context.Context, since time.Time) (map[string]struct{}, error) {
-	ids := map[string]struct{}{}
+// message now: Nats-Msg-Id, and Jetbox-Row-Id of dead letters, each with
+// its Jetbox-Commit-Time in Unix microseconds (0 when it has none). It
+// reads headers only, with an ordered consumer.
+func (p *Publisher) StoredIDs(ctx context.Context, since time.Time) (map[string]int64, error) {
+	ids := map[string]int64{}
 	st, err := p.js.Stream(ctx, p.cfg.Stream)
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
 		return ids, nil
@@ -99,9 +63,13 @@ func (p *Publisher) StoredIDs(ctx context.Context, since time.Time) (map[string]
 			return nil, fmt.Errorf("read the ids of stream %q (%d read): %w", p.cfg.Stream, len(ids), err)
 		}
 		h := m.Headers()
-		ids[h.Get(jetstream.MsgIDHeader)] = struct{}{}
+		var committed int64
+		if t, err := time.Parse(time.RFC3339Nano, h.Get(HeaderCommitTime)); err == nil && t.Year() > 1 {
+			committed = t.UnixMicro()
+		}
+		ids[h.Get(jetstream.MsgIDHeader)] = committed
 		if row := h.Get(decoder.HeaderRowID); row != "" {
-			ids[row] = struct{}{}
+			ids[row] = committed
 		}
 		md, err := m.Metadata()
 		if err != nil {

@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -12,6 +11,7 @@ import (
 
 	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/jetbox-dev/jetbox/internal/natsembed"
+	"github.com/jetbox-dev/jetbox/internal/repair"
 	"github.com/jetbox-dev/jetbox/replication"
 	"github.com/jetbox-dev/jetbox/sink"
 	"github.com/rs/zerolog"
@@ -31,10 +31,9 @@ type repairCmd struct {
 
 // repairState is one repair's counters, read by the progress printer.
 type repairState struct {
-	total     int64
-	published atomic.Int64 // acked
-	skipped   atomic.Int64 // already in the stream
-	started   time.Time
+	repair.Progress
+	total   int64
+	started time.Time
 }
 
 func (c *repairCmd) run(ctx context.Context, stdout, stderr io.Writer) int {
@@ -94,7 +93,6 @@ type repairer struct {
 	margin         time.Duration
 	progress       time.Duration
 	createdAt      string
-	sinceHeader    string // Jetbox-Repair-Since of every message it stores
 }
 
 func (r *repairer) run(ctx context.Context) (int, error) {
@@ -153,40 +151,17 @@ func (r *repairer) run(ctx context.Context) (int, error) {
 		return exitFailure, err
 	}
 
-	// What to repair: the rows from since on, and the stream's ids from
-	// since - margin (a row's message is stored after the row's time). The
-	// default start is that of the repair whose row is the stream's last
-	// (an interrupted one resumes its own range, never a guess from a row's
-	// time: rows without an order key come first), else this database's
-	// last message's commit time minus the margin.
-	since, readFrom := r.since, time.Time{}
-	switch {
-	case r.all || (since.IsZero() && !hasLast):
-		since = time.Time{}
-	case since.IsZero() && last.RepairSince == "all":
-		since = time.Time{}
-		r.log.Info().Uint64("seq", last.Seq).Msg("repair: the stream's last message is a repair's, of every row: repairing every row")
-	case since.IsZero() && last.RepairSince != "":
-		if since, err = time.Parse(time.RFC3339Nano, last.RepairSince); err != nil {
-			return exitFailure, fmt.Errorf("the stream's last message (seq %d) has %s %q, not an RFC 3339 time: give --since or --all", last.Seq, sink.HeaderRepairSince, last.RepairSince)
-		}
-		r.log.Info().Uint64("seq", last.Seq).Time("since", since).Msg("repair: the stream's last message is a repair's: repairing its range again")
-	case since.IsZero():
-		t, err := time.Parse(time.RFC3339Nano, last.CommitTime)
-		if err != nil || t.IsZero() || t.Year() < 2 {
-			t = last.Stored
-		}
-		since = t.Add(-r.margin)
+	rg, err := repair.PlanRange(repair.Last{Seq: last.Seq, CommitTime: last.CommitTime, Stored: last.Stored, RepairSince: last.RepairSince},
+		hasLast, r.since, r.all, r.margin)
+	if err != nil {
+		return exitConfig, err
 	}
-	if !since.IsZero() {
-		readFrom = since.Add(-r.margin)
+	if rg.Resumed {
+		r.log.Info().Uint64("seq", last.Seq).Str("since", rg.Header).Msg("repair: the stream's last message is a repair's: repairing its range again")
 	}
-	r.sinceHeader = "all"
-	if !since.IsZero() {
-		r.sinceHeader = since.UTC().Format(time.RFC3339Nano)
-	}
+	since, readFrom := rg.Since, rg.ReadFrom
 
-	rep, err := replication.OpenRepair(ctx, cfg.PostgresURL, cfg.Replication, replication.RepairOptions{DryRun: r.dryRun, CreatedAtColumn: r.createdAt, BrokenHistory: broken}, r.log)
+	rep, err := replication.OpenRepair(ctx, cfg.PostgresURL, cfg.Replication, replication.RepairOptions{DryRun: r.dryRun, CreatedAtColumn: r.createdAt, Margin: r.margin, BrokenHistory: broken}, r.log)
 	if err != nil {
 		if errors.Is(err, replication.ErrRepairRefused) {
 			return exitConfig, err
@@ -212,21 +187,35 @@ func (r *repairer) run(ctx context.Context) (int, error) {
 	}
 
 	st := &repairState{total: total, started: time.Now()}
+	rcfg := repair.Config{Decoder: cfg.Replication.Decoder, Columns: rep.Columns(), Source: rep.Source, Position: rep.ConsistentPoint - 1,
+		SinceHeader: rg.Header, Stored: ids, Skew: r.margin, Atomic: cfg.Sink.AtomicTransactions, Ordered: cfg.Sink.ExactlyOnce || cfg.Sink.OrderGuard,
+		MaxInFlight: cfg.Replication.MaxInFlight, MaxInFlightBytes: cfg.Replication.MaxInFlightBytes,
+		CloseTimeout: cfg.Sink.PublishTimeout + 10*time.Second, Log: r.log}
+	stream := repairStream{p: pub, source: rep.Source}
 	stopProgress := r.startProgress(st)
-	err = r.publish(ctx, pub, rep, since, ids, st)
+	err = repair.Run(ctx, stream, func(ctx context.Context, fn func(repair.Row) error) error {
+		return rep.Rows(ctx, since, func(values [][]byte, key, inserted time.Time) error {
+			return fn(repair.Row{Values: values, Key: key, Inserted: inserted})
+		})
+	}, rcfg, &st.Progress)
 	stopProgress()
 	if err != nil {
-		return exitFailure, err
+		return exitFailure, r.stopError(err)
 	}
-	if st.published.Load() == 0 && hasLast &&
-		(last.Source != rep.Source || last.CommitLSN >= rep.ConsistentPoint-1) {
+	lastPos := repair.Position{Source: last.Source, CommitLSN: last.CommitLSN, TxIndex: last.TxIndex}
+	if st.Published.Load() == 0 && repair.NeedsBaseline(lastPos, hasLast, rcfg) {
 		// Nothing was missing, but the stream's last message belongs to a
 		// history the new slot does not continue (a restore, a failover):
 		// a baseline marker at the repair's position lets jetbox run
 		// resume after it, skipping none of the slot's events.
-		if err := r.publishBaseline(ctx, pub, rep, st); err != nil {
-			return exitFailure, err
+		ev, err := repair.Baseline(rcfg, cfg.Sink.SubjectPrefix, st.Skipped.Load())
+		if err == nil {
+			err = repair.PublishOne(ctx, stream, &ev, rcfg.CloseTimeout)
 		}
+		if err != nil {
+			return exitFailure, fmt.Errorf("publish the repair baseline: %w", err)
+		}
+		r.log.Info().Str("subject", ev.Subject).Str("lsn", ev.CommitLSN.String()).Msg("repair: nothing was missing; stored a baseline marker so that jetbox run resumes on the new slot's history")
 	}
 	fctx, fcancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 	defer fcancel()
@@ -234,21 +223,21 @@ func (r *repairer) run(ctx context.Context) (int, error) {
 		return exitFailure, err
 	}
 	elapsed := time.Since(st.started)
-	rate := float64(st.published.Load()+st.skipped.Load()) / elapsed.Seconds()
-	r.log.Info().Int64("published", st.published.Load()).Int64("skipped", st.skipped.Load()).Dur("elapsed", elapsed).
+	rate := float64(st.Published.Load()+st.Skipped.Load()) / elapsed.Seconds()
+	r.log.Info().Int64("published", st.Published.Load()).Int64("skipped", st.Skipped.Load()).Dur("elapsed", elapsed).
 		Float64("rows_per_second", rate).Str("lsn", rep.ConsistentPoint.String()).Msg("repair done: the stream holds every row of the snapshot; jetbox run streams the rest from the slot")
 	fmt.Fprintf(r.stderr, "jetbox repair: done: %d rows published, %d already in the stream, in %s (%.0f rows/s); start jetbox run\n",
-		st.published.Load(), st.skipped.Load(), elapsed.Round(time.Millisecond), rate)
+		st.Published.Load(), st.Skipped.Load(), elapsed.Round(time.Millisecond), rate)
 	return exitOK, nil
 }
 
 // report is the dry run: what is missing, without publishing.
-func (r *repairer) report(ctx context.Context, rep *replication.Repair, since time.Time, from string, total int64, ids map[string]struct{}) (int, error) {
+func (r *repairer) report(ctx context.Context, rep *replication.Repair, since time.Time, from string, total int64, ids repair.Stored) (int, error) {
 	dec := decoder.NewRowDecoder(r.cfg.Replication.Decoder, rep.Columns())
 	var missing, invalid int64
 	var firstID, lastID string
 	var firstT, lastT time.Time
-	err := rep.Rows(ctx, since, func(values [][]byte, t time.Time) error {
+	err := rep.Rows(ctx, since, func(values [][]byte, t, inserted time.Time) error {
 		ev, err := dec.Decode(values, 0, t, 0)
 		id := ev.ID
 		var ie *decoder.InvalidEventError
@@ -262,7 +251,7 @@ func (r *repairer) report(ctx context.Context, rep *replication.Repair, since ti
 			invalid++
 			id = ev.DeadLetter.ID
 		}
-		if _, ok := ids[id]; ok && id != "" {
+		if !ids.Missing(id, inserted, r.margin) {
 			return nil
 		}
 		if missing == 0 {
@@ -309,7 +298,7 @@ func (r *repairer) startProgress(st *repairState) func() {
 				return
 			case <-tick.C:
 			}
-			n := st.published.Load() + st.skipped.Load()
+			n := st.Published.Load() + st.Skipped.Load()
 			el := time.Since(st.started).Seconds()
 			rate := float64(n) / el
 			left := "?"
@@ -321,218 +310,10 @@ func (r *repairer) startProgress(st *repairState) func() {
 				pct = 100 * float64(n) / float64(st.total)
 			}
 			fmt.Fprintf(r.stderr, "jetbox repair: %d/%d rows (%.1f%%), %d published, %d already in the stream, %.0f rows/s, about %s left\n",
-				n, st.total, pct, st.published.Load(), st.skipped.Load(), rate, left)
+				n, st.total, pct, st.Published.Load(), st.Skipped.Load(), rate, left)
 		}
 	}()
 	return func() { close(done); wg.Wait() }
-}
-
-// publish publishes the rows of the snapshot that the stream does not hold,
-// in the repair order, at positions (consistent point - 1, k): after
-// everything the stream held, before everything the slot streams (see
-// docs/operations.md). A failure ends the pass; the next pass republishes from the
-// first row not acked, on a new session (exactly-once skips what it stored).
-func (r *repairer) publish(ctx context.Context, pub *sink.Publisher, rep *replication.Repair, since time.Time, ids map[string]struct{}, st *repairState) error {
-	commitLSN := rep.ConsistentPoint - 1
-	dec := decoder.NewRowDecoder(r.cfg.Replication.Decoder, rep.Columns())
-	deadLetters := map[int]*decoder.InvalidEventError{} // found by the sink, by k
-	acked := 0                                          // rows 0..acked-1 are stored
-	backoff := 200 * time.Millisecond
-	writer := ""
-	if o, ok := decoder.ParseOrigin(rep.Source); ok {
-		writer = o.Writer()
-	}
-	for pass := 1; ; pass++ {
-		if pass > 1 && (r.cfg.Sink.ExactlyOnce || r.cfg.Sink.OrderGuard) {
-			// Acks a cut lost: the stream may hold rows past the last one
-			// acked. With the order guard it holds this repair's rows in
-			// position order, so its last one says how far it got; they
-			// are not sent again (after the duplicate window JetStream
-			// would store them twice).
-			tip, ok, err := pub.Tip(ctx, writer)
-			if err != nil {
-				r.log.Warn().Err(err).Dur("backoff", backoff).Msg("read how far the repair got")
-				if err := sleepCtx(ctx, backoff); err != nil {
-					return err
-				}
-				backoff = min(backoff*2, 30*time.Second)
-				pass--
-				continue
-			}
-			if ok && tip.Source == rep.Source && tip.CommitLSN == commitLSN && tip.TxIndex+1 > acked {
-				r.log.Info().Int("acked", acked).Int("stored", tip.TxIndex+1).Msg("repair: the stream holds rows whose acks were lost: going on after them")
-				st.published.Add(int64(tip.TxIndex + 1 - acked))
-				acked = tip.TxIndex + 1
-			}
-		}
-		sess, err := pub.OpenRepair(ctx, rep.Source)
-		if err != nil {
-			var pe *sink.PermanentError
-			if errors.As(err, &pe) || ctx.Err() != nil {
-				return err
-			}
-			r.log.Warn().Err(err).Dur("backoff", backoff).Msg("open publishing session")
-			if err := sleepCtx(ctx, backoff); err != nil {
-				return err
-			}
-			backoff = min(backoff*2, 30*time.Second)
-			continue
-		}
-		window := make(chan struct{}, r.cfg.Replication.MaxInFlight)
-		var mu sync.Mutex
-		var failErr error
-		failK := -1
-		contiguous := acked // first k not yet acked in order
-		k := 0
-		scanErr := rep.Rows(ctx, since, func(values [][]byte, t time.Time) error {
-			ev, err := dec.Decode(values, commitLSN, t, k)
-			if err != nil {
-				return err // an invalid row with --on-invalid=stop
-			}
-			id := ev.ID
-			if ev.DeadLetter != nil {
-				id = ev.DeadLetter.ID
-			}
-			if _, ok := ids[id]; ok && id != "" {
-				if pass == 1 {
-					st.skipped.Add(1)
-				}
-				return nil
-			}
-			myK := k
-			k++
-			if myK < acked {
-				return nil // stored by an earlier pass
-			}
-			if cause := deadLetters[myK]; cause != nil {
-				ev = r.cfg.Replication.Decoder.DeadLetter(&ev, cause)
-			}
-			if ev.DeadLetter != nil {
-				r.log.Warn().Str("event_id", ev.DeadLetter.ID).Str("reason", ev.DeadLetter.Code).Str("dead_letter_subject", ev.Subject).
-					Str("error", ev.DeadLetter.Error()).Msg("outbox row cannot be published: sending a dead letter instead")
-			}
-			ev.Source = rep.Source
-			ev.Headers = append(ev.Headers, decoder.Header{Key: sink.HeaderRepaired, Value: "true"}, decoder.Header{Key: sink.HeaderRepairSince, Value: r.sinceHeader})
-			if r.cfg.Sink.AtomicTransactions {
-				// Each repaired row stands alone: a consumer that buffers
-				// until a transaction's end must not wait on the next one.
-				ev.Headers = append(ev.Headers, decoder.Header{Key: sink.HeaderTxLast, Value: "true"})
-			}
-			mu.Lock()
-			stop := failErr != nil
-			mu.Unlock()
-			if stop {
-				return errStopPass
-			}
-			select {
-			case window <- struct{}{}:
-			case <-ctx.Done():
-				return ctx.Err()
-			}
-			err = sess.Publish(&ev, func(err error) {
-				<-window
-				mu.Lock()
-				defer mu.Unlock()
-				if err == nil && failErr == nil && myK == contiguous {
-					contiguous++
-					st.published.Add(1)
-					return
-				}
-				if err != nil && failErr == nil {
-					failErr, failK = fmt.Errorf("publish id=%s: %w", ev.ID, err), myK
-				}
-			})
-			if err != nil {
-				<-window
-				mu.Lock()
-				if failErr == nil {
-					failErr, failK = fmt.Errorf("publish id=%s: %w", ev.ID, err), myK
-				}
-				mu.Unlock()
-				return errStopPass
-			}
-			return nil
-		})
-		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.Sink.PublishTimeout+10*time.Second)
-		_ = sess.Close(cctx)
-		cancel()
-		mu.Lock()
-		acked, failed, cause := contiguous, failK, failErr
-		mu.Unlock()
-		if scanErr != nil && !errors.Is(scanErr, errStopPass) {
-			return r.stopError(scanErr)
-		}
-		if cause == nil {
-			if acked < k { // abandoned acks (Close gave up)
-				cause = errors.New("acks still outstanding when the session closed")
-			} else {
-				return nil
-			}
-		}
-		var ie *decoder.InvalidEventError
-		if errors.As(cause, &ie) {
-			if r.cfg.Replication.Decoder.DeadLetterSubject == "" || !ie.DeadLetterable() || deadLetters[failed] != nil {
-				return r.stopError(cause)
-			}
-			deadLetters[failed] = ie
-			continue
-		}
-		var pe *sink.PermanentError
-		if errors.As(cause, &pe) || ctx.Err() != nil {
-			return cause
-		}
-		r.log.Warn().Err(cause).Int("pass", pass).Int("acked", acked).Dur("backoff", backoff).Msg("publish failed: republishing from the first unacked row, in order")
-		if err := sleepCtx(ctx, backoff); err != nil {
-			return err
-		}
-		backoff = min(backoff*2, 30*time.Second)
-	}
-}
-
-var errStopPass = errors.New("stop this pass")
-
-// BaselineSubjectToken is the subject token (after the prefix) of the
-// marker a repair that published nothing stores when the stream's last
-// message belongs to a history the new slot does not continue.
-const BaselineSubjectToken = "_jetbox.repair"
-
-// publishBaseline stores the baseline marker: a jetbox message (not an
-// outbox row) on <prefix>._jetbox.repair at the repair's position
-// (consistent point - 1, 0) with the new slot's source, so that jetbox run
-// resumes after it. Its id is unique to the slot's consistent point: a
-// re-run repair stores a new one.
-func (r *repairer) publishBaseline(ctx context.Context, pub *sink.Publisher, rep *replication.Repair, st *repairState) error {
-	payload, err := json.Marshal(map[string]any{"jetbox": "repair-baseline", "consistent_point": rep.ConsistentPoint.String(),
-		"source": rep.Source, "rows_already_in_stream": st.skipped.Load()})
-	if err != nil {
-		return err
-	}
-	ev := decoder.Event{ID: fmt.Sprintf("jetbox-repair-%s-%s", rep.Source, rep.ConsistentPoint), Subject: r.cfg.Sink.SubjectPrefix + "." + BaselineSubjectToken,
-		AggregateType: "jetbox", AggregateID: rep.Source, EventType: "RepairBaseline", Payload: payload,
-		CommitLSN: rep.ConsistentPoint - 1, CommitTime: time.Now().UTC(), Source: rep.Source,
-		Headers: []decoder.Header{{Key: sink.HeaderRepaired, Value: "true"}, {Key: sink.HeaderRepairSince, Value: r.sinceHeader}}}
-	if r.cfg.Sink.AtomicTransactions {
-		ev.Headers = append(ev.Headers, decoder.Header{Key: sink.HeaderTxLast, Value: "true"})
-	}
-	sess, err := pub.OpenRepair(ctx, rep.Source)
-	if err != nil {
-		return fmt.Errorf("open a session for the repair baseline: %w", err)
-	}
-	done := make(chan error, 1)
-	if err := sess.Publish(&ev, func(err error) { done <- err }); err != nil {
-		_ = sess.Close(context.WithoutCancel(ctx))
-		return fmt.Errorf("publish the repair baseline: %w", err)
-	}
-	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.Sink.PublishTimeout+10*time.Second)
-	defer cancel()
-	if err := sess.Close(cctx); err != nil {
-		return fmt.Errorf("publish the repair baseline: %w", err)
-	}
-	if err := <-done; err != nil {
-		return fmt.Errorf("publish the repair baseline: %w", err)
-	}
-	r.log.Info().Str("subject", ev.Subject).Str("lsn", ev.CommitLSN.String()).Msg("repair: nothing was missing; stored a baseline marker so that jetbox run resumes on the new slot's history")
-	return nil
 }
 
 // stopError explains an invalid row the repair stops on.
@@ -548,11 +329,25 @@ func (r *repairer) stopError(err error) error {
 	return err
 }
 
-func sleepCtx(ctx context.Context, d time.Duration) error {
-	select {
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-time.After(d):
-		return nil
+// repairStream is the stream side of a repair on a publisher.
+type repairStream struct {
+	p      *sink.Publisher
+	source string
+}
+
+func (s repairStream) Open(ctx context.Context) (repair.Session, error) {
+	sess, err := s.p.OpenRepair(ctx, s.source)
+	if err != nil {
+		return nil, err
 	}
+	return sess, nil
+}
+
+func (s repairStream) Last(ctx context.Context) (repair.Position, bool, error) {
+	o, ok := decoder.ParseOrigin(s.source)
+	if !ok {
+		return repair.Position{}, false, nil
+	}
+	t, ok, err := s.p.Tip(ctx, o.Writer())
+	return repair.Position{Source: t.Source, CommitLSN: t.CommitLSN, TxIndex: t.TxIndex}, ok, err
 }
