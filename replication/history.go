@@ -57,12 +57,31 @@ type HistoryError struct {
 	Case   string
 	Tip    StreamTip
 	Detail string
+	// NoTable: the outbox is logical decoding messages only
+	// (--source=messages), which no repair can re-read.
+	NoTable bool
 }
 
 func (e *HistoryError) Error() string {
-	return fmt.Sprintf("%s: %s; outbox rows committed after %s (commit LSN %s, the stream's last jetbox message, seq %d) may be missing from the stream: "+
-		"run `jetbox repair` with the same configuration to re-publish them from the table, then start jetbox again "+
-		"(or, to accept the loss, restart with --accept-lost-rows)", e.Case, e.Detail, e.Tip.CommitTime, e.Tip.CommitLSN, e.Tip.Seq)
+	next := "run `jetbox repair` with the same configuration to re-publish them from the table, then start jetbox again " +
+		"(or, to accept the loss, restart with --accept-lost-rows)"
+	if e.NoTable {
+		next = "with --source=messages they exist only in the WAL, which this server does not hold: have the producers emit the events " +
+			"committed since then again (with their ids: the stream drops those it holds while they are inside its duplicate window), " +
+			"then restart with --accept-lost-rows"
+	}
+	return fmt.Sprintf("%s: %s; outbox events committed after %s (commit LSN %s, the stream's last jetbox message, seq %d) may be missing from the stream: %s",
+		e.Case, e.Detail, e.Tip.CommitTime, e.Tip.CommitLSN, e.Tip.Seq, next)
+}
+
+// withSource marks a *HistoryError in err with what cfg's outbox can be
+// repaired from, and returns err.
+func withSource(err error, cfg Config) error {
+	var he *HistoryError
+	if errors.As(err, &he) {
+		he.NoTable = !cfg.hasTable()
+	}
+	return err
 }
 
 // Permanent marks the error as one to stop on.
@@ -216,7 +235,7 @@ func checkHistory(ctx context.Context, conn *pgconn.PgConn, cfg Config, ts TipSo
 	if srv, err = readServer(ctx, conn, cfg.Slot); err != nil {
 		return srv, StreamTip{}, false, err
 	}
-	err = verify(ctx, tip, ok, srv, cfg.Slot)
+	err = withSource(verify(ctx, tip, ok, srv, cfg.Slot), cfg)
 	var he *HistoryError
 	if errors.As(err, &he) && cfg.AcceptLostRows {
 		log.Warn().Str("case", he.Case).Str("after_commit_time", tip.CommitTime).Str("after_lsn", tip.CommitLSN.String()).
@@ -287,7 +306,7 @@ func VerifyHistory(ctx context.Context, connString string, cfg Config, ts TipSou
 	if err != nil {
 		return tip, ok, err
 	}
-	err = peekReplay(ctx, connString, cfg, newTipReplay(tip, start))
+	err = withSource(peekReplay(ctx, connString, cfg, newTipReplay(tip, start)), cfg)
 	var he *HistoryError
 	if errors.As(err, &he) && cfg.AcceptLostRows {
 		log.Warn().Str("case", he.Case).Str("after_commit_time", tip.CommitTime).Str("after_lsn", tip.CommitLSN.String()).

@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/jackc/pglogrepl"
+	"github.com/jetbox-dev/jetbox/decoder"
 )
 
 func TestVerifyHistory(t *testing.T) {
@@ -119,5 +120,18 @@ func TestOwnTip(t *testing.T) {
 		if got := ownTip(StreamTip{Source: src}, sys, "jetbox"); got != want {
 			t.Errorf("ownTip(%q) = %v, want %v", src, got, want)
 		}
+	}
+}
+
+// The history error's way out: jetbox repair, except for an outbox of
+// messages only, which no repair can re-read.
+func TestHistoryErrorWayOut(t *testing.T) {
+	he := &HistoryError{Case: CaseLostSlot, Tip: StreamTip{Seq: 9}, Detail: "gone"}
+	if msg := he.Error(); !strings.Contains(msg, "run `jetbox repair`") {
+		t.Fatalf("table outbox: %s", msg)
+	}
+	err := withSource(he, Config{Decoder: decoder.Config{MessagePrefix: "jetbox"}})
+	if msg := err.Error(); strings.Contains(msg, "jetbox repair") || !strings.Contains(msg, "emit the events") || !strings.Contains(msg, "--accept-lost-rows") {
+		t.Fatalf("messages-only outbox: %s", msg)
 	}
 }

@@ -252,6 +252,7 @@ func (l *loop) deadLettered(cause *decoder.InvalidEventError, subject string) {
 // jetbox; with AcceptLostRows the tip is forgotten and the next session
 // streams on from the slot, skipping nothing by position against it.
 func (l *loop) historyBreak(err error) error {
+	err = withSource(err, l.s.cfg)
 	var he *HistoryError
 	ts, ok := l.s.sink.(TipSource)
 	if !l.s.cfg.AcceptLostRows || !ok || !errors.As(err, &he) {

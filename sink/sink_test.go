@@ -391,3 +391,34 @@ func TestAckFromAnotherStream(t *testing.T) {
 		t.Fatalf("next session: %v", err)
 	}
 }
+
+// TestWatermarkBucketDeleted: dedup mode keeps its watermark in a KV bucket;
+// deleted while jetbox runs, the bucket is created again with the current
+// watermark, and every publish is still acked (a cached handle failed every
+// ack for ever: nothing confirmed, WAL growing).
+func TestWatermarkBucketDeleted(t *testing.T) {
+	n := testenv.StartNATS(t)
+	p := streamPublisher(t, n, baseConfig())
+	if errs := publishAll(t, p, at(event("w-1", "order", "E"), 0)); errs[0] != nil {
+		t.Fatal(errs[0])
+	}
+	_, js := n.Connect(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := js.DeleteKeyValue(ctx, sink.WatermarkBucket); err != nil {
+		t.Fatal(err)
+	}
+	ev := event("w-2", "order", "E")
+	ev.CommitLSN++
+	if errs := publishAll(t, p, ev); errs[0] != nil {
+		t.Fatalf("publish after the bucket was deleted: %v", errs[0])
+	}
+	kv, err := js.KeyValue(ctx, sink.WatermarkBucket)
+	if err != nil {
+		t.Fatalf("the bucket was not created again: %v", err)
+	}
+	keys, err := kv.Keys(ctx)
+	if err != nil || len(keys) != 1 {
+		t.Fatalf("bucket keys %v, %v: want the watermark", keys, err)
+	}
+}

@@ -38,6 +38,7 @@ type replays struct {
 	claims   map[uint64]Position // stream sequence → the event stored there, after wm.Seq
 	kv       jetstream.KeyValue  // nil: not persisted
 	key      string
+	replicas int // of the stream: the bucket's, if created again
 }
 
 // watermarkKey is the bucket key of source's watermark in stream: the
@@ -69,14 +70,8 @@ func (s *Session) loadWatermark(ctx context.Context, replicas int) {
 	if !p.persistWM() || r.kv != nil {
 		return
 	}
-	kv, err := p.js.KeyValue(ctx, WatermarkBucket)
-	if errors.Is(err, jetstream.ErrBucketNotFound) {
-		kv, err = p.js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: WatermarkBucket, History: 1,
-			Description: "jetbox: where each outbox stream's replays end (dedup mode)", Storage: jetstream.FileStorage, Replicas: max(1, replicas)})
-		if errors.Is(err, jetstream.ErrBucketExists) {
-			kv, err = p.js.KeyValue(ctx, WatermarkBucket)
-		}
-	}
+	r.replicas = replicas
+	kv, err := p.watermarkBucket(ctx, replicas)
 	if err != nil {
 		p.log.Warn().Err(err).Str("bucket", WatermarkBucket).
 			Msg("cannot use the watermark bucket: after a restart, a replay whose original message is gone is reported as a repeated id")
@@ -98,6 +93,19 @@ func (s *Session) loadWatermark(ctx context.Context, replicas int) {
 	if !r.hasWM || r.wm.pos().Less(w.pos()) {
 		r.wm, r.hasWM = w, true
 	}
+}
+
+// watermarkBucket opens the bucket, creating it if missing.
+func (p *Publisher) watermarkBucket(ctx context.Context, replicas int) (jetstream.KeyValue, error) {
+	kv, err := p.js.KeyValue(ctx, WatermarkBucket)
+	if errors.Is(err, jetstream.ErrBucketNotFound) {
+		kv, err = p.js.CreateKeyValue(ctx, jetstream.KeyValueConfig{Bucket: WatermarkBucket, History: 1,
+			Description: "jetbox: where each outbox stream's replays end (dedup mode)", Storage: jetstream.FileStorage, Replicas: max(1, replicas)})
+		if errors.Is(err, jetstream.ErrBucketExists) {
+			kv, err = p.js.KeyValue(ctx, WatermarkBucket)
+		}
+	}
+	return kv, err
 }
 
 // guarded: publishes carry the order guard, so the stream holds this
@@ -130,6 +138,13 @@ func (s *Session) advance(pos Position, seq uint64) error {
 		b, _ := json.Marshal(w)
 		ctx, cancel := context.WithTimeout(s.ctx, p.cfg.PublishTimeout)
 		_, err := r.kv.Put(ctx, r.key, b)
+		if errors.Is(err, jetstream.ErrNoStreamResponse) {
+			// The bucket was deleted while jetbox ran (a cached handle would
+			// fail every ack for ever, and WAL would grow): create it again
+			// with this watermark, or go on without one, as a start that
+			// cannot use the bucket does.
+			err = p.restoreWatermark(ctx, r, b)
+		}
 		cancel()
 		if errors.Is(err, nats.ErrPermissionViolation) {
 			return &PermanentError{Err: fmt.Errorf("store the watermark in bucket %s: %w", WatermarkBucket, err),
@@ -145,6 +160,24 @@ func (s *Session) advance(pos Position, seq uint64) error {
 			delete(r.claims, q)
 		}
 	}
+	return nil
+}
+
+// restoreWatermark creates the watermark bucket again and stores b in it;
+// when it cannot, the watermark goes unpersisted (r.kv nil). rmu is held.
+func (p *Publisher) restoreWatermark(ctx context.Context, r *replays, b []byte) error {
+	kv, err := p.watermarkBucket(ctx, r.replicas)
+	if err == nil {
+		_, err = kv.Put(ctx, r.key, b)
+	}
+	if err != nil {
+		p.log.Warn().Err(err).Str("bucket", WatermarkBucket).
+			Msg("the watermark bucket was deleted and cannot be created again: going on without it (after a restart, a replay whose original message is gone is reported as a repeated id)")
+		r.kv = nil
+		return nil
+	}
+	p.log.Warn().Str("bucket", WatermarkBucket).Msg("the watermark bucket was deleted while jetbox ran: created it again with the current watermark")
+	r.kv = kv
 	return nil
 }
 
