@@ -409,7 +409,7 @@ func (s *fakeSink) Tip(context.Context, string) (StreamTip, bool, error) {
 	return *s.tip, true, nil
 }
 
-func (s *fakeSink) Forget(tip StreamTip) { s.forgot.Store(int64(tip.Seq)) }
+func (s *fakeSink) Forget(tip StreamTip, _ pglogrepl.LSN) { s.forgot.Store(int64(tip.Seq)) }
 
 func (s *fakeSink) Open(ctx context.Context, source string) (Session, error) {
 	s.mu.Lock()

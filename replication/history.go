@@ -34,12 +34,13 @@ type StreamTip struct {
 
 // TipSource is a Sink that can read the stream's tip. The streamer compares
 // it with the server at every session open (see VerifyHistory); with
-// AcceptLostRows, Forget is called with the tip an accepted loss abandons.
+// AcceptLostRows, Forget is called with the tip an accepted loss abandons
+// and the slot's position, where the slot's replay of it starts.
 type TipSource interface {
 	// Tip returns the last message that writer (decoder.Origin.Writer)
 	// stored on jetbox's subjects.
 	Tip(ctx context.Context, writer string) (StreamTip, bool, error)
-	Forget(tip StreamTip)
+	Forget(tip StreamTip, from pglogrepl.LSN)
 }
 
 // History cases: why the stream's history and the server's part.
@@ -240,7 +241,13 @@ func checkHistory(ctx context.Context, conn *pgconn.PgConn, cfg Config, ts TipSo
 	if errors.As(err, &he) && cfg.AcceptLostRows {
 		log.Warn().Str("case", he.Case).Str("after_commit_time", tip.CommitTime).Str("after_lsn", tip.CommitLSN.String()).
 			Str("detail", he.Detail).Msg("--accept-lost-rows: going on; rows committed after this point may be missing from the stream (jetbox repair re-publishes them from the table)")
-		ts.Forget(tip)
+		from := tip.CommitLSN + 1 // a new slot replays none of it
+		if srv.slot {
+			if from, err = slotPosition(ctx, conn, cfg.Slot); err != nil {
+				return srv, StreamTip{}, false, err
+			}
+		}
+		ts.Forget(tip, from)
 		return srv, StreamTip{}, false, nil
 	}
 	return srv, tip, ok, err
@@ -311,7 +318,7 @@ func VerifyHistory(ctx context.Context, connString string, cfg Config, ts TipSou
 	if errors.As(err, &he) && cfg.AcceptLostRows {
 		log.Warn().Str("case", he.Case).Str("after_commit_time", tip.CommitTime).Str("after_lsn", tip.CommitLSN.String()).
 			Str("detail", he.Detail).Msg("--accept-lost-rows: going on; rows committed after this point may be missing from the stream (jetbox repair re-publishes them from the table)")
-		ts.Forget(tip)
+		ts.Forget(tip, start)
 		return StreamTip{}, false, nil
 	}
 	return tip, ok, err

@@ -260,7 +260,7 @@ func (l *loop) historyBreak(err error) error {
 	}
 	l.log.Warn().Str("case", he.Case).Str("after_commit_time", he.Tip.CommitTime).Str("after_lsn", he.Tip.CommitLSN.String()).
 		Str("detail", he.Detail).Msg("--accept-lost-rows: going on; rows committed after this point may be missing from the stream (jetbox repair re-publishes them from the table)")
-	ts.Forget(he.Tip)
+	ts.Forget(he.Tip, l.start)
 	l.s.forgotTip = he.Tip.Seq
 	return fmt.Errorf("restarting the session after an accepted history break: %w", errAcceptedBreak)
 }

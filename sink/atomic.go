@@ -271,7 +271,7 @@ func (p *Publisher) probe(ctx context.Context, subject, id string, n int, commit
 // goroutine.
 func (s *AtomicSession) Publish(ev *decoder.Event, done func(error)) error {
 	pos := eventPos(ev)
-	if s.p.skipReplay(s.cur, pos, done) {
+	if s.p.skipReplay(s.cur, pos, ev.ID, done) {
 		return nil
 	}
 	h := s.p.header(ev, &s.tx, 4)
@@ -583,7 +583,8 @@ func (s *AtomicSession) streamHolds(ctx context.Context, pos Position) (bool, er
 		return false, err
 	}
 	last, ok := ParsePosition(m.Header)
-	return ok && decoder.SameWriter(m.Header.Get(HeaderSource), s.source) && !last.Less(pos), nil
+	// A message of an abandoned history (ForgetHistory) has no comparable position.
+	return ok && m.Sequence > s.p.forgetThrough.Load() && decoder.SameWriter(m.Header.Get(HeaderSource), s.source) && !last.Less(pos), nil
 }
 
 // oversized returns the first message of a refused batch over the limits

@@ -108,15 +108,19 @@ func tipOf(seq uint64, subject string, stored time.Time, h nats.Header, writer s
 		CommitTime: h.Get(HeaderCommitTime), Scheme: h.Get(HeaderIndexScheme), Stored: stored, RepairSince: h.Get(HeaderRepairSince), Subject: subject}, true
 }
 
-// scanHeaders calls fn for every message on filter from sequence from to
-// through (inclusive), in order, reading headers only with an ordered
-// consumer.
+// scanHeaders calls fn for every message on filter ("": any subject) from
+// sequence from to through (inclusive), in order, reading headers only
+// with an ordered consumer.
 func scanHeaders(ctx context.Context, st jetstream.Stream, filter string, from, through uint64, fn func(seq uint64, subject string, stored time.Time, h nats.Header)) error {
 	if from > through {
 		return nil
 	}
-	cons, err := st.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{FilterSubjects: []string{filter}, HeadersOnly: true,
-		DeliverPolicy: jetstream.DeliverByStartSequencePolicy, OptStartSeq: from, InactiveThreshold: 10 * time.Second})
+	cc := jetstream.OrderedConsumerConfig{HeadersOnly: true, DeliverPolicy: jetstream.DeliverByStartSequencePolicy, OptStartSeq: from,
+		InactiveThreshold: 10 * time.Second}
+	if filter != "" {
+		cc.FilterSubjects = []string{filter}
+	}
+	cons, err := st.OrderedConsumer(ctx, cc)
 	if err != nil {
 		return err
 	}
@@ -145,14 +149,99 @@ func scanHeaders(ctx context.Context, st jetstream.Stream, filter string, from, 
 			return nil
 		}
 		fn(md.Sequence.Stream, m.Subject(), md.Timestamp, m.Headers())
-		if md.Sequence.Stream == through {
-			return nil
+		if md.Sequence.Stream == through || md.NumPending == 0 {
+			return nil // through, or the last message there is (through deleted)
 		}
 	}
 }
 
-// ForgetPositionsThrough tells later sessions that the stream's messages up
-// to seq come from a WAL history the server no longer continues (an
-// operator accepted lost rows after a rewind or a failover): exactly-once
-// mode then skips no event by position against them.
+// ForgetHistory tells later sessions that the stream's messages up to seq
+// come from a WAL history the server no longer continues (an operator
+// accepted lost rows after a rewind or a failover): exactly-once mode then
+// skips no event by position against them. The slot replays what the
+// server still shares with that history from from on: an event there is
+// skipped only where the stream holds the same id at the same position
+// (read once, back from seq, for source's writer), so the shared part is
+// not stored again once the duplicate window has passed, and the rest is
+// published.
+func (p *Publisher) ForgetHistory(seq uint64, source string, from Position) {
+	writer := source
+	if o, ok := decoder.ParseOrigin(source); ok {
+		writer = o.Writer()
+	}
+	p.forgetMu.Lock()
+	p.forgotten = &forgotten{seq: seq, writer: writer, from: from}
+	p.forgetMu.Unlock()
+	p.forgetThrough.Store(seq)
+}
+
+// ForgetPositionsThrough is ForgetHistory with nothing replayed.
 func (p *Publisher) ForgetPositionsThrough(seq uint64) { p.forgetThrough.Store(seq) }
+
+// forgotten is an accepted lost history (ForgetHistory).
+type forgotten struct {
+	seq     uint64
+	writer  string
+	from    Position
+	index   map[Position]string // what the stream holds of it from from on; nil until read
+	partial bool                // more than maxAbandoned messages: not all are in index
+}
+
+// maxAbandoned bounds the index of an abandoned history (about 100 bytes each).
+const maxAbandoned = 1_000_000
+
+// abandonedIndex returns what the stream holds of the abandoned history at
+// the positions the slot replays (nil: none forgotten), reading it once.
+func (p *Publisher) abandonedIndex(ctx context.Context) (map[Position]string, error) {
+	p.forgetMu.Lock()
+	defer p.forgetMu.Unlock()
+	f := p.forgotten
+	if f == nil || f.index != nil {
+		if f == nil {
+			return nil, nil
+		}
+		return f.index, nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
+	defer cancel()
+	st, err := p.js.Stream(ctx, p.cfg.Stream)
+	if err != nil {
+		return nil, fmt.Errorf("look up stream %q: %w", p.cfg.Stream, err)
+	}
+	index := map[Position]string{}
+	first := st.CachedInfo().State.FirstSeq
+	const page = 10_000
+	for end := f.seq; end >= first && end > 0 && !f.partial; {
+		start := max(first, end-min(end, page-1))
+		older := false // a message of the writer before from: the rest is older (positions increase)
+		err := scanHeaders(ctx, st, "", start, end, func(seq uint64, _ string, _ time.Time, h nats.Header) {
+			pos, ok := ParsePosition(h)
+			o, parsed := decoder.ParseOrigin(h.Get(HeaderSource))
+			if !ok || !parsed || o.Writer() != f.writer {
+				return
+			}
+			if pos.Less(f.from) {
+				older = true
+				return
+			}
+			if len(index) >= maxAbandoned {
+				f.partial = true
+				return
+			}
+			index[pos] = h.Get(jetstream.MsgIDHeader)
+		})
+		if err != nil {
+			return nil, fmt.Errorf("read the abandoned history's messages (seq %d-%d): %w", start, end, err)
+		}
+		if older || start == first || start == 0 {
+			break
+		}
+		end = start - 1
+	}
+	if f.partial {
+		p.log.Warn().Int("messages", len(index)).Msg("the abandoned history holds more messages than jetbox indexes: the slot's replay of the older ones may be stored again once the duplicate window has passed")
+	}
+	p.log.Info().Int("messages", len(index)).Str("from", pglogrepl.LSN(f.from.CommitLSN).String()).Msg("accepted lost history: skipping the slot's replay of what the stream holds of it, message by message")
+	f.index = index
+	return index, nil
+}

@@ -105,6 +105,9 @@ type Publisher struct {
 	tipMu   sync.Mutex
 	tipSeen tipSeen // how far Tip read the stream (history.go)
 
+	forgetMu  sync.Mutex
+	forgotten *forgotten // an accepted lost history (ForgetHistory)
+
 	tracing *tracing // nil: off (sink/trace.go)
 }
 
@@ -293,7 +296,7 @@ func (p *Publisher) open(ctx context.Context, source string, repair bool) (*Sess
 // message was not sent and done will not be called.
 func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
 	pos := eventPos(ev)
-	if s.p.skipReplay(s.cur, pos, done) {
+	if s.p.skipReplay(s.cur, pos, ev.ID, done) {
 		return nil
 	}
 	if ev.ID == s.prevID && pos != s.prevPos {

@@ -89,16 +89,27 @@ type cursor struct {
 	// chain (exactly-once): id is the message the first publish names in
 	// Nats-Expected-Last-Msg-Id (on an R1 stream).
 	chain bool
+	// abandoned: after an accepted lost history (ForgetHistory), what the
+	// stream holds of it at the positions the slot replays: position → id.
+	abandoned map[Position]string
 }
 
-// replay reports whether the event at pos is one the stream already holds
-// (at or before its last message): exactly-once mode skips it.
-func (c cursor) replay(pos Position) bool { return c.skip && !c.pos.Less(pos) }
+// replay reports whether the event at pos with id is one the stream
+// already holds: at or before its last message (exactly-once mode), or the
+// same id at the same position of an abandoned history (the part the
+// server still shares with it).
+func (c cursor) replay(pos Position, id string) bool {
+	if c.abandoned != nil && id != "" && c.abandoned[pos] == id {
+		return true
+	}
+	return c.skip && !c.pos.Less(pos)
+}
 
-// skipReplay skips the event at pos if it is a replay (see cursor.replay):
-// it counts as a duplicate and its done is called with nil at once.
-func (p *Publisher) skipReplay(c cursor, pos Position, done func(error)) bool {
-	if !c.replay(pos) {
+// skipReplay skips the event at pos with id if it is a replay (see
+// cursor.replay): it counts as a duplicate and its done is called with nil
+// at once.
+func (p *Publisher) skipReplay(c cursor, pos Position, id string, done func(error)) bool {
+	if !c.replay(pos, id) {
 		return false
 	}
 	p.record(outDuplicate, 1)
@@ -124,6 +135,7 @@ func (c cursor) covers(pos Position) bool { return c.watermark && !c.pos.Less(po
 // resume after a message from another one, unless repair (a jetbox repair
 // session, see OpenRepair), which resumes after nothing.
 func (p *Publisher) resume(ctx context.Context, source string, repair bool) (cursor, error) {
+	outer := ctx
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	name := p.cfg.Stream
@@ -145,6 +157,9 @@ func (p *Publisher) resume(ctx context.Context, source string, repair bool) (cur
 	c := cursor{stream: st, seq: info.State.LastSeq}
 	if c.seq == 0 {
 		return c, nil
+	}
+	if c.abandoned, err = p.abandonedIndex(outer); err != nil {
+		return cursor{}, err
 	}
 	m, err := st.GetMsg(ctx, c.seq)
 	if err != nil {

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pglogrepl"
 	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/jetbox-dev/jetbox/internal/testenv"
 	"github.com/jetbox-dev/jetbox/sink"
@@ -420,5 +421,71 @@ func TestWatermarkBucketDeleted(t *testing.T) {
 	keys, err := kv.Keys(ctx)
 	if err != nil || len(keys) != 1 {
 		t.Fatalf("bucket keys %v, %v: want the watermark", keys, err)
+	}
+}
+
+// TestAcceptedLostHistoryNotStoredTwice: after --accept-lost-rows (a
+// rewind or a timeline break) the slot replays what the server still shares
+// with the abandoned history: those events are skipped where the stream
+// holds the same id at the same position, the rest is published, and
+// nothing is stored twice once the duplicate window has passed.
+func TestAcceptedLostHistoryNotStoredTwice(t *testing.T) {
+	for _, exactly := range []bool{true, false} {
+		t.Run(fmt.Sprintf("exactly-once=%v", exactly), func(t *testing.T) {
+			n := testenv.StartNATS(t)
+			cfg := baseConfig()
+			cfg.ExactlyOnce, cfg.DuplicateWindow = exactly, 100*time.Millisecond
+			p := streamPublisher(t, n, cfg)
+			ev := func(id string, lsn uint64) *decoder.Event {
+				e := event(id, "order", "E")
+				e.CommitLSN, e.Source = pglogrepl.LSN(lsn), "42/1/app/jetbox"
+				return e
+			}
+			open := func() *sink.Session {
+				s, err := p.Open(context.Background(), "42/2/app/jetbox")
+				if err != nil {
+					t.Fatal(err)
+				}
+				return s
+			}
+			s := open()
+			for _, e := range []*decoder.Event{ev("a", 0x100), ev("b", 0x200), ev("c", 0x300)} {
+				if err := s.Publish(e, func(error) {}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			closeCtx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			if err := s.Close(closeCtx); err != nil {
+				t.Fatal(err)
+			}
+			// The server branched after a: it replays a, then its own history.
+			p.ForgetHistory(3, "42/1/app/jetbox", sink.Position{CommitLSN: 0x100})
+			time.Sleep(3 * cfg.DuplicateWindow) // the hazard: JetStream's dedup no longer helps
+			s = open()
+			errs := make([]error, 3)
+			for i, e := range []*decoder.Event{ev("a", 0x100), ev("x", 0x200), ev("d", 0x400)} {
+				e.Source = "42/2/app/jetbox"
+				if err := s.Publish(e, func(err error) { errs[i] = err }); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := s.Close(closeCtx); err != nil {
+				t.Fatal(err)
+			}
+			for i, err := range errs {
+				if err != nil {
+					t.Fatalf("event %d: %v", i, err)
+				}
+			}
+			_, js := n.Connect(t)
+			var got []string
+			for _, m := range testenv.ReadStream(t, js, "OUTBOX", true) {
+				got = append(got, m.ID)
+			}
+			if want := []string{"a", "b", "c", "x", "d"}; fmt.Sprint(got) != fmt.Sprint(want) {
+				t.Fatalf("stream holds %v, want %v", got, want)
+			}
+		})
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/jackc/pglogrepl"
 	"io"
 	"math"
 	"net"
@@ -214,8 +215,11 @@ func (a sinkAdapter) Tip(ctx context.Context, writer string) (replication.Stream
 		CommitTime: t.CommitTime, Scheme: t.Scheme, Stored: t.Stored, RepairSince: t.RepairSince, Subject: t.Subject}, ok, err
 }
 
-// Forget abandons the positions of an accepted lost history.
-func (a sinkAdapter) Forget(t replication.StreamTip) { a.p.ForgetPositionsThrough(t.Seq) }
+// Forget abandons the positions of an accepted lost history; the slot's
+// replay of it from from is checked message by message (sink.ForgetHistory).
+func (a sinkAdapter) Forget(t replication.StreamTip, from pglogrepl.LSN) {
+	a.p.ForgetHistory(t.Seq, t.Source, sink.Position{CommitLSN: uint64(from)})
+}
 
 func (a sinkAdapter) Open(ctx context.Context, source string) (replication.Session, error) {
 	if a.atomic {
