@@ -39,6 +39,9 @@ func (s *Streamer) session(ctx context.Context) (err error) {
 	if err := s.checkOutboxOID(sctx, conn); err != nil {
 		return err
 	}
+	if err := s.checkMembership(sctx, conn); err != nil {
+		return err
+	}
 	sys := srv.sys
 	start, err := slotPosition(sctx, conn, s.cfg.Slot)
 	if err != nil {

@@ -67,6 +67,9 @@ type Streamer struct {
 	// (0 until then).
 	outbox   decoder.OutboxIdentity
 	startOID atomic.Uint32
+	// member is the outbox's membership in the publication read by the
+	// first session (nil until then), for later sessions and the monitor.
+	member atomic.Pointer[membership]
 }
 
 // New returns a streamer for the database at connString.
