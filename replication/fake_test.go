@@ -195,6 +195,12 @@ func (f *fakeWAL) serve(n int, conn net.Conn) error {
 				rows(be, []string{"wal_status"}, []string{"reserved"})
 			case strings.HasPrefix(m.String, "SELECT coalesce(to_regclass("):
 				rows(be, []string{"oid", "lsn"}, []string{strconv.Itoa(outboxRelID), "0/1000000"})
+			case m.String == "SELECT current_setting('server_version_num')":
+				rows(be, []string{"server_version_num"}, []string{"150008"})
+			case strings.HasPrefix(m.String, "WITH p AS (SELECT oid, xmin, puballtables FROM pg_publication"): // readMembership
+				table(be, []string{"kind", "id", "newer"}, [][]string{{"publication", "700", "false"}, {"table", "16400", "false"}})
+			case strings.HasPrefix(m.String, "SELECT 'filter'"): // no row filter, no column left out
+				table(be, []string{"kind", "value"}, [][]string{{"filter", ""}})
 			case m.String == "IDENTIFY_SYSTEM":
 				rows(be, []string{"systemid", "timeline", "xlogpos", "dbname"}, []string{"7300000000000000001", "1", "0/9000000", "app"})
 			case strings.HasPrefix(m.String, "START_REPLICATION SLOT "):
@@ -270,6 +276,24 @@ func rows(be *pgproto3.Backend, cols, vals []string) {
 	be.Send(rd)
 	be.Send(dr)
 	be.Send(&pgproto3.CommandComplete{CommandTag: []byte("SELECT 1")})
+	be.Send(&pgproto3.ReadyForQuery{TxStatus: 'I'})
+}
+
+// table sends a result of several rows of text columns.
+func table(be *pgproto3.Backend, cols []string, vals [][]string) {
+	rd := &pgproto3.RowDescription{}
+	for _, c := range cols {
+		rd.Fields = append(rd.Fields, pgproto3.FieldDescription{Name: []byte(c), DataTypeOID: 25, DataTypeSize: -1})
+	}
+	be.Send(rd)
+	for _, row := range vals {
+		dr := &pgproto3.DataRow{}
+		for _, v := range row {
+			dr.Values = append(dr.Values, []byte(v))
+		}
+		be.Send(dr)
+	}
+	be.Send(&pgproto3.CommandComplete{CommandTag: []byte(fmt.Sprintf("SELECT %d", len(vals)))})
 	be.Send(&pgproto3.ReadyForQuery{TxStatus: 'I'})
 }
 
