@@ -198,7 +198,7 @@ func (f *fakeWAL) serve(n int, conn net.Conn) error {
 			case m.String == "SELECT current_setting('server_version_num')":
 				rows(be, []string{"server_version_num"}, []string{"150008"})
 			case strings.HasPrefix(m.String, "WITH p AS (SELECT oid, xmin, puballtables FROM pg_publication"): // readMembership
-				table(be, []string{"kind", "id", "newer"}, [][]string{{"publication", "700", "false"}, {"table", "16400", "false"}})
+				table(be, []string{"kind", "oid", "xmin", "newer"}, [][]string{{"publication", "16390", "700", "false"}, {"table", "16400", "701", "false"}})
 			case strings.HasPrefix(m.String, "SELECT 'filter'"): // no row filter, no column left out
 				table(be, []string{"kind", "value"}, [][]string{{"filter", ""}})
 			case m.String == "IDENTIFY_SYSTEM":

@@ -7,7 +7,9 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
@@ -43,6 +45,7 @@ type membership struct {
 type memberRow struct {
 	Kind string // table, schema, all-tables
 	OID  uint32
+	Xmin string // the transaction that created it
 	// Newer: its xmin is not older than the slot's catalog_xmin, so the row
 	// may have been created after the slot's confirmed position.
 	Newer bool
@@ -105,6 +108,72 @@ func (m membership) predatesSlot() bool {
 	return false
 }
 
+// suspects returns the xids of the rows predatesSlot could not place
+// before the slot's position: the transactions to look for after it.
+func (m membership) suspects() []string {
+	var out []string
+	if m.PubNewer {
+		out = append(out, m.PubXmin)
+	}
+	for _, r := range m.Rows {
+		if r.Newer {
+			out = append(out, r.Xmin)
+		}
+	}
+	return out
+}
+
+// settle decides what predatesSlot left open, given which of the suspects
+// committed after the slot's confirmed position (see committedAfterSlot):
+// every other suspect committed before it.
+func (m membership) settle(after map[string]bool) membership {
+	m.PubNewer = m.PubNewer && after[m.PubXmin]
+	m.Rows = slices.Clone(m.Rows)
+	for i := range m.Rows {
+		m.Rows[i].Newer = m.Rows[i].Newer && after[m.Rows[i].Xmin]
+	}
+	return m
+}
+
+// committedAfterSlot returns which of xids committed after the slot's
+// confirmed position. pgoutput sends nothing for a transaction that only
+// changed the catalog, so it decodes the WAL from that position with a
+// temporary copy of the slot under test_decoding, which shows every
+// transaction (its COMMIT line carries the xid), and drops the copy. The
+// WAL is decoded up to the server's end, on the server; only a count comes
+// back. A membership created in a subtransaction carries the
+// subtransaction's xid, which test_decoding does not show: such a
+// membership is taken as older than the slot.
+func committedAfterSlot(ctx context.Context, conn *pgx.Conn, slot string, xids []string) (map[string]bool, error) {
+	probe := fmt.Sprintf("jetbox_probe_%d", conn.PgConn().PID())
+	if _, err := conn.Exec(ctx, "SELECT pg_copy_logical_replication_slot($1, $2, true, 'test_decoding')", slot, probe); err != nil {
+		return nil, fmt.Errorf("copy slot %q to a temporary test_decoding slot %q: %w", slot, probe, err)
+	}
+	defer func() {
+		dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		_, _ = conn.Exec(dctx, "SELECT pg_drop_replication_slot($1)", probe)
+	}()
+	commits := make([]string, len(xids))
+	for i, x := range xids {
+		commits[i] = "COMMIT " + x
+	}
+	rows, err := conn.Query(ctx, `SELECT DISTINCT substr(data, 8) FROM pg_logical_slot_peek_changes($1, NULL, NULL, 'include-xids', '1', 'skip-empty-xacts', '0')
+		WHERE data = ANY ($2)`, probe, commits)
+	if err != nil {
+		return nil, fmt.Errorf("decode slot %q's WAL from its confirmed position: %w", slot, err)
+	}
+	found, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("decode slot %q's WAL from its confirmed position: %w", slot, err)
+	}
+	after := map[string]bool{}
+	for _, x := range found {
+		after[x] = true
+	}
+	return after, nil
+}
+
 // memberProblem is a publication setting under which Postgres streams some
 // outbox rows or headers not at all.
 type memberProblem struct {
@@ -161,30 +230,36 @@ func readMembership(ctx context.Context, conn *pgconn.PgConn, cfg Config) (membe
 		return "coalesce((age(" + x + ".xmin) <= (SELECT age(catalog_xmin) FROM pg_replication_slots WHERE slot_name = " + slot + "))::text, '')"
 	}
 	q := `WITH p AS (SELECT oid, xmin, puballtables FROM pg_publication WHERE pubname = ` + pub + `)
-	SELECT 'publication', p.xmin::text, ` + newer("p") + ` FROM p
-	UNION ALL SELECT 'table', r.oid::text, ` + newer("r") + ` FROM pg_publication_rel r JOIN p ON r.prpubid = p.oid WHERE r.prrelid = to_regclass(` + table + `)
-	UNION ALL SELECT 'all-tables', p.oid::text, ` + newer("p") + ` FROM p WHERE p.puballtables`
+	SELECT 'publication', p.oid::text, p.xmin::text, ` + newer("p") + ` FROM p
+	UNION ALL SELECT 'table', r.oid::text, r.xmin::text, ` + newer("r") + ` FROM pg_publication_rel r JOIN p ON r.prpubid = p.oid WHERE r.prrelid = to_regclass(` + table + `)
+	UNION ALL SELECT 'all-tables', p.oid::text, p.xmin::text, ` + newer("p") + ` FROM p WHERE p.puballtables`
 	if num >= 150000 {
 		q += `
-	UNION ALL SELECT 'schema', n.oid::text, ` + newer("n") + ` FROM pg_publication_namespace n JOIN p ON n.pnpubid = p.oid
+	UNION ALL SELECT 'schema', n.oid::text, n.xmin::text, ` + newer("n") + ` FROM pg_publication_namespace n JOIN p ON n.pnpubid = p.oid
 		WHERE n.pnnspid = (SELECT c.relnamespace FROM pg_class c WHERE c.oid = to_regclass(` + table + `))`
 	}
 	res, err = conn.Exec(ctx, q).ReadAll()
 	if err != nil {
 		return m, fmt.Errorf("read the membership of %s in publication %q: %w", cfg.qualifiedTable(), cfg.Publication, err)
 	}
+	if len(res) != 1 {
+		return m, fmt.Errorf("read the membership of %s: %d results", cfg.qualifiedTable(), len(res))
+	}
 	for _, row := range res[0].Rows {
-		newer := string(row[2])
+		if len(row) != 4 {
+			return m, fmt.Errorf("read the membership of %s: %d columns, want 4", cfg.qualifiedTable(), len(row))
+		}
+		xmin, newer := string(row[2]), string(row[3])
 		m.SlotKnown = newer != ""
 		if string(row[0]) == "publication" {
-			m.PubXmin, m.PubNewer = string(row[1]), newer == "true"
+			m.PubXmin, m.PubNewer = xmin, newer == "true"
 			continue
 		}
 		oid, err := strconv.ParseUint(string(row[1]), 10, 32)
 		if err != nil {
 			return m, fmt.Errorf("parse a publication row's OID: %w", err)
 		}
-		m.Rows = append(m.Rows, memberRow{Kind: string(row[0]), OID: uint32(oid), Newer: newer == "true"})
+		m.Rows = append(m.Rows, memberRow{Kind: string(row[0]), OID: uint32(oid), Xmin: xmin, Newer: newer == "true"})
 	}
 	if num < 150000 {
 		return m, nil
@@ -206,7 +281,13 @@ func readMembership(ctx context.Context, conn *pgconn.PgConn, cfg Config) (membe
 	if err != nil {
 		return m, fmt.Errorf("read the row filter and column list of %s in publication %q: %w", cfg.qualifiedTable(), cfg.Publication, err)
 	}
+	if len(res) != 1 {
+		return m, fmt.Errorf("read the row filter of %s: %d results", cfg.qualifiedTable(), len(res))
+	}
 	for _, row := range res[0].Rows {
+		if len(row) != 2 {
+			return m, fmt.Errorf("read the row filter of %s: %d columns, want 2", cfg.qualifiedTable(), len(row))
+		}
 		switch string(row[0]) {
 		case "filter":
 			m.RowFilter = string(row[1])

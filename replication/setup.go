@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -340,12 +341,27 @@ func (c *checker) membership(pubExists bool) {
 	if m.predatesSlot() {
 		return
 	}
+	// The catalog_xmin lags (it moves only as the slot is confirmed past
+	// running-transactions records; a new slot starts at the oldest of the
+	// other slots'): look in the WAL for the transactions themselves.
+	pctx, cancel := context.WithTimeout(c.ctx, 20*time.Second)
+	after, err := committedAfterSlot(pctx, c.conn, c.cfg.Slot, m.suspects())
+	cancel()
+	probeErr := ""
+	if err == nil {
+		if m = m.settle(after); m.predatesSlot() {
+			return
+		}
+	} else {
+		probeErr = " (the WAL since the slot's position could not be searched for them: " + err.Error() + ")"
+	}
 	var confirmed string
 	if err := c.conn.QueryRow(c.ctx, "SELECT coalesce(confirmed_flush_lsn::text, '0/0') FROM pg_replication_slots WHERE slot_name = $1", c.cfg.Slot).Scan(&confirmed); err != nil {
 		c.fail("postgres.publication", err)
 		return
 	}
 	what, fix := newerError(c.cfg, m, confirmed)
+	what += probeErr
 	sev := check.Error
 	if c.cfg.AcceptLostRows {
 		sev, what = check.Warning, "--accept-lost-rows: going on; "+what

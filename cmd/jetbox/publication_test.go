@@ -2,12 +2,9 @@ package main
 
 import (
 	"bytes"
-	"errors"
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/jetbox-dev/jetbox/internal/testenv"
 )
 
 // needPG15 skips a test of row filters and column lists (PostgreSQL 15+).
@@ -176,27 +173,3 @@ func TestPublicationReAddedWhileRunning(t *testing.T) {
 	}
 }
 
-// waitMembershipBehindSlot waits until the outbox's membership in the
-// publication is older than the slot's catalog_xmin, as it becomes once a
-// running jetbox confirms past a running-transactions record written after
-// it (a checkpoint writes one; Postgres writes one every 15 s while busy).
-// From then on a restart does not find the membership newer than the slot.
-func (f *fixture) waitMembershipBehindSlot() {
-	f.t.Helper()
-	conn := f.conn()
-	testenv.WaitFor(f.t, 60*time.Second, func() error {
-		ctx := ctxT(f.t, 10*time.Second)
-		var behind bool
-		if err := conn.QueryRow(ctx, `SELECT coalesce(bool_and(age(r.xmin) > age(s.catalog_xmin)), false)
-			FROM pg_publication_rel r, pg_replication_slots s WHERE r.prrelid = 'outbox'::regclass AND s.slot_name = 'jetbox'`).Scan(&behind); err != nil {
-			return err
-		}
-		if behind {
-			return nil
-		}
-		if _, err := conn.Exec(ctx, "INSERT INTO other (note) VALUES ('wal'); CHECKPOINT"); err != nil {
-			return err
-		}
-		return errors.New("the membership is not older than the slot's catalog_xmin yet")
-	})
-}
