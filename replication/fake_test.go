@@ -5,6 +5,7 @@ package replication
 // config's DialFunc) and a scripted sink. Nothing here touches a network.
 
 import (
+	"cmp"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -118,6 +119,8 @@ type fakeWAL struct {
 	mu        sync.Mutex
 	confirmed pglogrepl.LSN
 	slotBusy  bool // START_REPLICATION fails with 55006
+	memberOID int    // the outbox's pg_publication_rel row (0: 16400)
+	rowFilter string // its row filter
 	conns     int  // connections accepted
 	starts    int  // START_REPLICATION commands received
 	statuses  []status
@@ -198,9 +201,15 @@ func (f *fakeWAL) serve(n int, conn net.Conn) error {
 			case m.String == "SELECT current_setting('server_version_num')":
 				rows(be, []string{"server_version_num"}, []string{"150008"})
 			case strings.HasPrefix(m.String, "WITH p AS (SELECT oid, xmin, puballtables FROM pg_publication"): // readMembership
-				table(be, []string{"kind", "oid", "xmin", "newer"}, [][]string{{"publication", "16390", "700", "false"}, {"table", "16400", "701", "false"}})
-			case strings.HasPrefix(m.String, "SELECT 'filter'"): // no row filter, no column left out
-				table(be, []string{"kind", "value"}, [][]string{{"filter", ""}})
+				f.mu.Lock()
+				oid := cmp.Or(f.memberOID, 16400)
+				f.mu.Unlock()
+				table(be, []string{"kind", "oid", "xmin", "newer"}, [][]string{{"publication", "16390", "700", "false"}, {"table", strconv.Itoa(oid), "701", "false"}})
+			case strings.HasPrefix(m.String, "SELECT 'filter'"): // no column left out
+				f.mu.Lock()
+				filter := f.rowFilter
+				f.mu.Unlock()
+				table(be, []string{"kind", "value"}, [][]string{{"filter", filter}})
 			case m.String == "IDENTIFY_SYSTEM":
 				rows(be, []string{"systemid", "timeline", "xlogpos", "dbname"}, []string{"7300000000000000001", "1", "0/9000000", "app"})
 			case strings.HasPrefix(m.String, "START_REPLICATION SLOT "):
@@ -317,6 +326,13 @@ func (f *fakeWAL) send(d ...[]byte) {
 	for _, b := range d {
 		f.out <- b
 	}
+}
+
+// setMembership changes what the membership queries answer.
+func (f *fakeWAL) setMembership(oid int, rowFilter string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.memberOID, f.rowFilter = oid, rowFilter
 }
 
 func (f *fakeWAL) setSlotBusy(busy bool) {

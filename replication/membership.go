@@ -325,7 +325,7 @@ func newerError(cfg Config, m membership, confirmed string) (what, fix string) {
 func (s *Streamer) changedError(then, now membership, when, since string) error {
 	cfg := s.cfg
 	return &PermanentError{
-		Err: fmt.Errorf("the membership of table %s in publication %q was re-created while jetbox ran, %s (catalog rows %s at start, now %s): it was dropped from the publication and added back, its row filter or column list changed, or the publication was altered (its publish setting, its owner). Postgres never streams rows committed while the table was not published (or filtered out), and jetbox may have confirmed the slot past them: outbox rows committed since then may be missing from the stream",
+		Err: fmt.Errorf("the membership of table %s in publication %q was re-created %s (catalog rows %s at start, now %s): it was dropped from the publication and added back, its row filter or column list changed, or the publication was altered (its publish setting, its owner). Postgres never streams rows committed while the table was not published (or filtered out), and jetbox may have confirmed the slot past them: outbox rows committed since then may be missing from the stream",
 			cfg.qualifiedTable(), cfg.Publication, when, then.describe(), now.describe()),
 		Hint: "fix: restore the publication if it is not as it should be, then " + repairFix(cfg, since),
 	}

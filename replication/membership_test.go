@@ -3,8 +3,10 @@ package replication
 import (
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/jetbox-dev/jetbox/decoder"
+	"github.com/jetbox-dev/jetbox/internal/metrics"
 )
 
 func TestMembershipContinuous(t *testing.T) {
@@ -104,5 +106,51 @@ func TestMembershipSettle(t *testing.T) {
 	}
 	if !m.Rows[0].Newer {
 		t.Error("settle changed its receiver's rows")
+	}
+}
+
+// The membership is read before every START_REPLICATION: a session after
+// it was re-created (here between a standby's attempts) stops Run with a
+// permanent error naming the catalog rows and the repair; a row filter
+// stops the first session.
+func TestMembershipCheckedEverySession(t *testing.T) {
+	h := newHarness(t, Config{}, &fakeSink{})
+	h.wal.setSlotBusy(true)
+	h.run()
+	waitFor(t, "standby and 2 attempts", func() bool {
+		_, starts, _ := h.wal.counts()
+		return h.s.State() == metrics.StateStandby && starts >= 2
+	})
+	h.wal.setMembership(16500, "")
+	var err error
+	select {
+	case err = <-h.done:
+		h.done = nil
+	case <-time.After(30 * time.Second):
+		t.Fatal("Run did not stop on the re-created membership")
+	}
+	if !IsPermanent(err) {
+		t.Fatalf("Run returned %v, want a permanent error", err)
+	}
+	for _, w := range []string{"re-created while jetbox was reconnecting", "table:16400", "table:16500", "jetbox repair"} {
+		if !strings.Contains(err.Error(), w) {
+			t.Errorf("error lacks %q: %v", w, err)
+		}
+	}
+
+	h = newHarness(t, Config{}, &fakeSink{})
+	h.wal.setMembership(0, "(event_type <> 'x'::text)")
+	h.run()
+	select {
+	case err = <-h.done:
+		h.done = nil
+	case <-time.After(30 * time.Second):
+		t.Fatal("Run did not stop on the row filter")
+	}
+	if !IsPermanent(err) || !strings.Contains(err.Error(), "with a row filter (WHERE (event_type <> 'x'::text))") {
+		t.Fatalf("Run returned %v, want the row filter", err)
+	}
+	if _, starts, _ := h.wal.counts(); starts != 0 {
+		t.Fatalf("%d START_REPLICATION under a row filter", starts)
 	}
 }

@@ -240,7 +240,7 @@ func (m *monitor) checkMembership(ctx context.Context, conn *pgx.Conn, since tim
 			Hint: "fix: " + ps[0].Fix + ", then " + repairFix(cfg, at),
 		}
 	} else if first := m.s.member.Load(); first != nil && len(now.Rows) > 0 && !continuous(*first, now) {
-		stop = m.s.changedError(*first, now, "after "+at, at)
+		stop = m.s.changedError(*first, now, "while jetbox ran, after "+at, at)
 	}
 	if stop == nil {
 		return true
