@@ -118,11 +118,11 @@ type fakeWAL struct {
 
 	mu        sync.Mutex
 	confirmed pglogrepl.LSN
-	slotBusy  bool // START_REPLICATION fails with 55006
+	slotBusy  bool   // START_REPLICATION fails with 55006
 	memberOID int    // the outbox's pg_publication_rel row (0: 16400)
 	rowFilter string // its row filter
-	conns     int  // connections accepted
-	starts    int  // START_REPLICATION commands received
+	conns     int    // connections accepted
+	starts    int    // START_REPLICATION commands received
 	statuses  []status
 	errs      []string
 	wg        sync.WaitGroup

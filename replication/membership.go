@@ -178,6 +178,7 @@ func committedAfterSlot(ctx context.Context, conn *pgx.Conn, slot string, xids [
 // outbox rows or headers not at all.
 type memberProblem struct {
 	What, Fix string
+	Loss      string // what a stream written under it misses
 }
 
 // problems returns what in the membership loses rows or data silently: a
@@ -190,7 +191,8 @@ func (m membership) problems(cfg Config) []memberProblem {
 		out = append(out, memberProblem{
 			What: fmt.Sprintf("publication %q publishes %s with a row filter (WHERE %s): Postgres never streams the rows it filters out, and jetbox would confirm the slot past them",
 				cfg.Publication, cfg.qualifiedTable(), m.RowFilter),
-			Fix: "publish every row: " + republish,
+			Fix:  "publish every row: " + republish,
+			Loss: "the outbox rows it filtered out since then may be missing from the stream",
 		})
 	}
 	if len(m.Left) > 0 {
@@ -203,7 +205,8 @@ func (m membership) problems(cfg Config) []memberProblem {
 		if slices.Contains(m.Left, cfg.Decoder.Columns.Headers) {
 			what += " (without headers every user header, traceparent included, is dropped)"
 		}
-		out = append(out, memberProblem{What: what, Fix: "publish every column: " + republish})
+		out = append(out, memberProblem{What: what, Fix: "publish every column: " + republish,
+			Loss: "the outbox rows committed since then were published without those columns"})
 	}
 	return out
 }
@@ -312,9 +315,10 @@ func repairFix(cfg Config, since string) string {
 
 // newerError explains a membership newer than the slot's position, found
 // at start-up.
-func newerError(cfg Config, m membership, confirmed string) (what, fix string) {
-	what = fmt.Sprintf("table %s was added to publication %q after the slot's position (confirmed to %s), or its membership changed since (dropped from the publication and added back, a row filter or column list changed, the publication altered): the catalog rows behind it (%s) are newer than the slot's catalog_xmin. Postgres never streams rows committed while the table was not published, so outbox rows committed after %s may be missing from the stream",
-		cfg.qualifiedTable(), cfg.Publication, confirmed, m.describe(), confirmed)
+// How says how it is known.
+func newerError(cfg Config, m membership, confirmed, how string) (what, fix string) {
+	what = fmt.Sprintf("table %s was added to publication %q after the slot's position (confirmed to %s), or its membership changed since (dropped from the publication and added back, a row filter or column list changed, the publication altered): the catalog rows behind it (%s) %s. Postgres never streams rows committed while the table was not published, so outbox rows committed after %s may be missing from the stream",
+		cfg.qualifiedTable(), cfg.Publication, confirmed, m.describe(), how, confirmed)
 	fix = "restore the publication if it is not as it should be, then " + repairFix(cfg, "") +
 		"; or, if those rows are in the stream already (re-published after an earlier error), start once with --accept-lost-rows"
 	return what, fix

@@ -236,7 +236,7 @@ func (m *monitor) checkMembership(ctx context.Context, conn *pgx.Conn, since tim
 	var stop error
 	if ps := now.problems(cfg); len(ps) > 0 {
 		stop = &PermanentError{
-			Err: fmt.Errorf("%s; it was set while jetbox ran, after %s: outbox rows committed since then may be missing from the stream (or lack those columns)", ps[0].What, at),
+			Err:  fmt.Errorf("%s; it was set while jetbox ran, after %s: %s", ps[0].What, at, ps[0].Loss),
 			Hint: "fix: " + ps[0].Fix + ", then " + repairFix(cfg, at),
 		}
 	} else if first := m.s.member.Load(); first != nil && len(now.Rows) > 0 && !continuous(*first, now) {

@@ -347,21 +347,20 @@ func (c *checker) membership(pubExists bool) {
 	pctx, cancel := context.WithTimeout(c.ctx, 20*time.Second)
 	after, err := committedAfterSlot(pctx, c.conn, c.cfg.Slot, m.suspects())
 	cancel()
-	probeErr := ""
+	how := "committed after the slot's position (found in the WAL from there)"
 	if err == nil {
 		if m = m.settle(after); m.predatesSlot() {
 			return
 		}
 	} else {
-		probeErr = " (the WAL since the slot's position could not be searched for them: " + err.Error() + ")"
+		how = "are not older than the slot's catalog_xmin, and the WAL since the slot's position could not be searched for them (" + err.Error() + "), so they may be newer"
 	}
 	var confirmed string
 	if err := c.conn.QueryRow(c.ctx, "SELECT coalesce(confirmed_flush_lsn::text, '0/0') FROM pg_replication_slots WHERE slot_name = $1", c.cfg.Slot).Scan(&confirmed); err != nil {
 		c.fail("postgres.publication", err)
 		return
 	}
-	what, fix := newerError(c.cfg, m, confirmed)
-	what += probeErr
+	what, fix := newerError(c.cfg, m, confirmed, how)
 	sev := check.Error
 	if c.cfg.AcceptLostRows {
 		sev, what = check.Warning, "--accept-lost-rows: going on; "+what

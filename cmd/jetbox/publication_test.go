@@ -172,4 +172,3 @@ func TestPublicationReAddedWhileRunning(t *testing.T) {
 		t.Fatalf("exit 1 without the publication change:\n%s", p.tail(4096))
 	}
 }
-
