@@ -45,7 +45,7 @@ func isSlotInUse(err error) bool {
 func (s *Streamer) replacedError(was, now uint32, when string) error {
 	t := s.cfg.qualifiedTable()
 	return fmt.Errorf("%w: table %s was dropped and recreated %s (relation OID %d at start, now %d): Postgres streams a new table only from the moment it is added to publication %q, so rows inserted into it before then were never streamed, and jetbox stops rather than lose them silently; "+
-		"fix: re-insert, with their ids, the rows of %s committed before it was added to the publication again (the stream dedups those it has), then restart jetbox",
+		"fix: re-insert, with their ids, the rows of %s committed before it was added to the publication again (the stream dedups those it has), then restart jetbox (should it refuse the table's membership in the publication as newer than the slot's position, those are the rows you re-inserted: start it once with --accept-lost-rows)",
 		decoder.ErrTableReplaced, t, when, was, now, s.cfg.Publication, t)
 }
 

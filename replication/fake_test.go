@@ -5,6 +5,7 @@ package replication
 // config's DialFunc) and a scripted sink. Nothing here touches a network.
 
 import (
+	"cmp"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -117,10 +118,12 @@ type fakeWAL struct {
 
 	mu        sync.Mutex
 	confirmed pglogrepl.LSN
-	slotBusy  bool // START_REPLICATION fails with 55006
-	conns     int  // connections accepted
-	starts    int  // START_REPLICATION commands received
-	streams   int  // START_REPLICATION commands that got the slot
+	slotBusy  bool   // START_REPLICATION fails with 55006
+	memberOID int    // the outbox's pg_publication_rel row (0: 16400)
+	rowFilter string // its row filter
+	conns     int    // connections accepted
+	starts    int    // START_REPLICATION commands received
+	streams   int    // START_REPLICATION commands that got the slot
 	statuses  []status
 	errs      []string
 	wg        sync.WaitGroup
@@ -198,6 +201,18 @@ func (f *fakeWAL) serve(n int, conn net.Conn) error {
 				rows(be, []string{"oid", "lsn"}, []string{strconv.Itoa(outboxRelID), "0/1000000"})
 			case strings.HasPrefix(m.String, "SELECT oid::text, typbasetype::text FROM pg_type"):
 				rows(be, []string{"oid", "typbasetype"}, []string{"16500", "25"}) // a domain over text
+			case m.String == "SELECT current_setting('server_version_num')":
+				rows(be, []string{"server_version_num"}, []string{"150008"})
+			case strings.HasPrefix(m.String, "WITH p AS (SELECT oid, xmin, puballtables FROM pg_publication"): // readMembership
+				f.mu.Lock()
+				oid := cmp.Or(f.memberOID, 16400)
+				f.mu.Unlock()
+				table(be, []string{"kind", "oid", "xmin", "newer"}, [][]string{{"publication", "16390", "700", "false"}, {"table", strconv.Itoa(oid), "701", "false"}})
+			case strings.HasPrefix(m.String, "SELECT 'filter'"): // no column left out
+				f.mu.Lock()
+				filter := f.rowFilter
+				f.mu.Unlock()
+				table(be, []string{"kind", "value"}, [][]string{{"filter", filter}})
 			case m.String == "IDENTIFY_SYSTEM":
 				rows(be, []string{"systemid", "timeline", "xlogpos", "dbname"}, []string{"7300000000000000001", "1", "0/9000000", "app"})
 			case strings.HasPrefix(m.String, "START_REPLICATION SLOT "):
@@ -279,6 +294,24 @@ func rows(be *pgproto3.Backend, cols, vals []string) {
 	be.Send(&pgproto3.ReadyForQuery{TxStatus: 'I'})
 }
 
+// table sends a result of several rows of text columns.
+func table(be *pgproto3.Backend, cols []string, vals [][]string) {
+	rd := &pgproto3.RowDescription{}
+	for _, c := range cols {
+		rd.Fields = append(rd.Fields, pgproto3.FieldDescription{Name: []byte(c), DataTypeOID: 25, DataTypeSize: -1})
+	}
+	be.Send(rd)
+	for _, row := range vals {
+		dr := &pgproto3.DataRow{}
+		for _, v := range row {
+			dr.Values = append(dr.Values, []byte(v))
+		}
+		be.Send(dr)
+	}
+	be.Send(&pgproto3.CommandComplete{CommandTag: []byte(fmt.Sprintf("SELECT %d", len(vals)))})
+	be.Send(&pgproto3.ReadyForQuery{TxStatus: 'I'})
+}
+
 func (f *fakeWAL) record(st status) {
 	var err error
 	if f.check != nil {
@@ -299,6 +332,13 @@ func (f *fakeWAL) send(d ...[]byte) {
 	for _, b := range d {
 		f.out <- b
 	}
+}
+
+// setMembership changes what the membership queries answer.
+func (f *fakeWAL) setMembership(oid int, rowFilter string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.memberOID, f.rowFilter = oid, rowFilter
 }
 
 func (f *fakeWAL) setSlotBusy(busy bool) {

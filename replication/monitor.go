@@ -148,6 +148,7 @@ func (m *monitor) poll(ctx context.Context, ensure func() bool, conn **pgx.Conn)
 // publication), and carrying on would lose them silently.
 func (m *monitor) checkPublication(ctx context.Context, conn *pgx.Conn) {
 	cfg := m.s.cfg
+	readAt := time.Now() // before the catalog reads: a change they miss committed after it
 	var pubExists, published, inserts, tableExists, replaced bool
 	var oid uint32
 	start := m.s.startOID.Load()
@@ -177,7 +178,9 @@ func (m *monitor) checkPublication(ctx context.Context, conn *pgx.Conn) {
 	}
 	since := m.published
 	if pubExists && published && inserts && !replaced {
-		m.published = time.Now()
+		if m.checkMembership(ctx, conn, since) {
+			m.published = readAt
+		}
 		return
 	}
 	if replaced && published && inserts {
@@ -203,12 +206,50 @@ func (m *monitor) checkPublication(ctx context.Context, conn *pgx.Conn) {
 	default:
 		what, fix = fmt.Sprintf("publication %q no longer publishes inserts", cfg.Publication), "ALTER PUBLICATION "+quoteIdent(cfg.Publication)+" SET (publish = 'insert')"
 	}
-	err := &PermanentError{Err: fmt.Errorf("%s: Postgres does not stream outbox rows committed since then, and jetbox stops rather than lose them silently; fix: %s, restart jetbox, then re-publish from the table the rows committed after %s (re-inserting them with their ids: the stream dedups those it has)",
-		what, fix, since.UTC().Format(time.RFC3339))}
+	at := since.UTC().Format(time.RFC3339)
+	err := &PermanentError{Err: fmt.Errorf("%s: Postgres does not stream outbox rows committed since then, and jetbox stops rather than lose them silently; fix: %s, then re-publish from the table the rows committed after %s: %s",
+		what, fix, at, repairFix(cfg, at))}
 	select {
 	case m.s.fatal <- err:
 	default:
 	}
+}
+
+// checkMembership stops jetbox when the outbox's membership in the
+// publication loses rows the name check cannot see: a row filter, a column
+// list leaving out a column jetbox reads, or the membership re-created
+// since the first session read it (dropped and added back between two
+// polls, a filter set and removed). It reports whether the membership is
+// healthy. Rows committed after since, the last healthy poll, may be missing.
+func (m *monitor) checkMembership(ctx context.Context, conn *pgx.Conn, since time.Time) bool {
+	cfg := m.s.cfg
+	if !cfg.hasTable() {
+		return true
+	}
+	now, err := readMembership(ctx, conn.PgConn(), cfg)
+	if err != nil {
+		conn.Close(context.Background())
+		m.fail(fmt.Errorf("monitor membership query: %w", err))
+		return false
+	}
+	at := since.UTC().Format(time.RFC3339)
+	var stop error
+	if ps := now.problems(cfg); len(ps) > 0 {
+		stop = &PermanentError{
+			Err:  fmt.Errorf("%s; it was set while jetbox ran, after %s: %s", ps[0].What, at, ps[0].Loss),
+			Hint: "fix: " + ps[0].Fix + ", then " + repairFix(cfg, at),
+		}
+	} else if first := m.s.member.Load(); first != nil && len(now.Rows) > 0 && !continuous(*first, now) {
+		stop = m.s.changedError(*first, now, "while jetbox ran, after "+at, at)
+	}
+	if stop == nil {
+		return true
+	}
+	select {
+	case m.s.fatal <- stop:
+	default:
+	}
+	return false
 }
 
 // heartbeat writes a non-transactional logical message: WAL in this

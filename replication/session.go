@@ -47,6 +47,9 @@ func (s *Streamer) session(ctx context.Context) (err error) {
 			return err
 		}
 	}
+	if err := s.checkMembership(sctx, conn); err != nil {
+		return err
+	}
 	sys := srv.sys
 	start, err := slotPosition(sctx, conn, s.cfg.Slot)
 	if err != nil {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -33,6 +34,7 @@ func Check(ctx context.Context, connString string, cfg Config) ([]check.Finding,
 	tableOK := c.table()
 	pubExists := c.publication(tableOK)
 	c.slot(pubExists)
+	c.membership(pubExists)
 	c.repairMarker()
 	c.failover()
 	return l, nil
@@ -316,6 +318,56 @@ func (c *checker) slot(pubExists bool) {
 		c.l.Add(check.Warning, "postgres.publication", "the slot exists but the publication does not: rows committed between the two may be lost (Postgres 18 skips them silently)",
 			"create the publication, then compare the stream with the table for rows committed before it")
 	}
+}
+
+// membership checks what a check by name cannot see: a row filter or a
+// column list on the outbox (PostgreSQL 15+), and a membership newer than
+// the slot's position (the table dropped from the publication and added
+// back while jetbox was stopped): see readMembership.
+func (c *checker) membership(pubExists bool) {
+	if !pubExists || !c.cfg.hasTable() {
+		return
+	}
+	m, err := readMembership(c.ctx, c.conn.PgConn(), c.cfg)
+	if err != nil {
+		c.fail("postgres.publication", err)
+		return
+	}
+	for _, p := range m.problems(c.cfg) {
+		fix := p.Fix
+		if m.SlotKnown {
+			fix += "; if jetbox streamed under it, rows may be missing from the stream: " + repairFix(c.cfg, "")
+		}
+		c.l.Add(check.Error, "postgres.publication", p.What, fix)
+	}
+	if m.predatesSlot() {
+		return
+	}
+	// The catalog_xmin lags (it moves only as the slot is confirmed past
+	// running-transactions records; a new slot starts at the oldest of the
+	// other slots'): look in the WAL for the transactions themselves.
+	pctx, cancel := context.WithTimeout(c.ctx, 20*time.Second)
+	after, err := committedAfterSlot(pctx, c.conn, c.cfg.Slot, m.suspects())
+	cancel()
+	how := "committed after the slot's position (found in the WAL from there)"
+	if err == nil {
+		if m = m.settle(after); m.predatesSlot() {
+			return
+		}
+	} else {
+		how = "are not older than the slot's catalog_xmin, and the WAL since the slot's position could not be searched for them (" + err.Error() + "), so they may be newer"
+	}
+	var confirmed string
+	if err := c.conn.QueryRow(c.ctx, "SELECT coalesce(confirmed_flush_lsn::text, '0/0') FROM pg_replication_slots WHERE slot_name = $1", c.cfg.Slot).Scan(&confirmed); err != nil {
+		c.fail("postgres.publication", err)
+		return
+	}
+	what, fix := newerError(c.cfg, m, confirmed, how)
+	sev := check.Error
+	if c.cfg.AcceptLostRows {
+		sev, what = check.Warning, "--accept-lost-rows: going on; "+what
+	}
+	c.l.Add(sev, "postgres.publication", what, fix)
 }
 
 // Ensure creates what Check reported missing: the publication, then the

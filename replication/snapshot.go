@@ -109,7 +109,7 @@ type Repair struct {
 	createdAt string // SQL of the created-at column, "" when the table has none
 	margin    time.Duration
 	cols      []decoder.TableColumn
-	sel  string // the outbox columns, in cols order
+	sel       string // the outbox columns, in cols order
 }
 
 // OpenRepair prepares a repair of cfg.Slot. It refuses (ErrRepairRefused)

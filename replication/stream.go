@@ -70,6 +70,9 @@ type Streamer struct {
 	// forgotTip: the sequence of a tip whose replay did not reproduce it
 	// and whose loss --accept-lost-rows accepted (only Run's goroutine).
 	forgotTip uint64
+	// member is the outbox's membership in the publication read by the
+	// first session (nil until then), for later sessions and the monitor.
+	member atomic.Pointer[membership]
 }
 
 // New returns a streamer for the database at connString.

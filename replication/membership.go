@@ -1,0 +1,363 @@
+package replication
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// membership is how the outbox table belongs to the publication, as the
+// catalog says now. Postgres filters what it streams by the publication as
+// it was when each transaction committed, so a change the catalog no longer
+// shows (the table dropped from the publication and added back, a row
+// filter set and removed) has lost rows by the time it is read. What jetbox
+// can see is the identity of the rows that make the table a member: each
+// change creates a new one.
+type membership struct {
+	// Rows are the catalog rows that put the table in the publication:
+	// its pg_publication_rel row ("table"), a pg_publication_namespace row
+	// of its schema ("schema", PG15+), or the publication itself for FOR
+	// ALL TABLES ("all-tables"). None: the table is not a member, or is one
+	// only through a partitioned ancestor (not tracked).
+	Rows []memberRow
+	// PubXmin is the publication row's xmin: an ALTER PUBLICATION that
+	// changes it (publish, owner) may have stopped inserts for a while.
+	PubXmin string
+	// PubNewer: the publication's own row was written (created, or altered:
+	// publish, owner, name) at or after the slot's catalog_xmin.
+	PubNewer bool
+	// SlotKnown: the slot exists with a catalog_xmin to compare with.
+	SlotKnown bool
+
+	// PG15+ only (PG14 has neither).
+	RowFilter string   // pg_publication_tables.rowfilter, "" if none
+	Left      []string // columns jetbox reads that the column list leaves out
+}
+
+// memberRow is one catalog row behind the membership.
+type memberRow struct {
+	Kind string // table, schema, all-tables
+	OID  uint32
+	Xmin string // the transaction that created it
+	// Newer: its xmin is not older than the slot's catalog_xmin, so the row
+	// may have been created after the slot's confirmed position.
+	Newer bool
+}
+
+// ids returns the rows' identities, sorted.
+func (m membership) ids() []string {
+	var out []string
+	for _, r := range m.Rows {
+		out = append(out, r.Kind+":"+strconv.FormatUint(uint64(r.OID), 10))
+	}
+	slices.Sort(out)
+	return out
+}
+
+// describe names the rows for an error message.
+func (m membership) describe() string {
+	return strings.Join(append(m.ids(), "publication row xmin "+m.PubXmin), ", ")
+}
+
+// continuous reports whether the membership now shares a catalog row with
+// the membership then: a row that still exists has existed throughout, so
+// the table was a member throughout (a row is never re-created with the same
+// OID), provided the publication's own row was not rewritten either (its
+// publish setting may have changed and back). Both empty is not continuity:
+// nothing was tracked.
+func continuous(then, now membership) bool {
+	if then.PubXmin != now.PubXmin {
+		return false
+	}
+	for _, a := range then.ids() {
+		if slices.Contains(now.ids(), a) {
+			return true
+		}
+	}
+	return false
+}
+
+// predatesSlot reports whether every row of the membership (and the
+// publication's own row) was written before the slot's catalog_xmin. That
+// xid is the oldest transaction still running at a point the slot was
+// confirmed past, so a row whose xmin is older committed before that
+// point: the table has been a member, unchanged, since then, and every row
+// committed after the slot's confirmed position is streamed. Otherwise the
+// membership may be newer than that position; rows committed between the
+// position and its creation would then never be streamed. It cannot tell
+// which: false is "may be", not "is".
+func (m membership) predatesSlot() bool {
+	if !m.SlotKnown || len(m.Rows) == 0 {
+		return true // nothing to compare: no slot (streams from now on), or not tracked
+	}
+	if m.PubNewer {
+		return false
+	}
+	for _, r := range m.Rows {
+		if !r.Newer {
+			return true // one row older than the slot's position suffices
+		}
+	}
+	return false
+}
+
+// suspects returns the xids of the rows predatesSlot could not place
+// before the slot's position: the transactions to look for after it.
+func (m membership) suspects() []string {
+	var out []string
+	if m.PubNewer {
+		out = append(out, m.PubXmin)
+	}
+	for _, r := range m.Rows {
+		if r.Newer {
+			out = append(out, r.Xmin)
+		}
+	}
+	return out
+}
+
+// settle decides what predatesSlot left open, given which of the suspects
+// committed after the slot's confirmed position (see committedAfterSlot):
+// every other suspect committed before it.
+func (m membership) settle(after map[string]bool) membership {
+	m.PubNewer = m.PubNewer && after[m.PubXmin]
+	m.Rows = slices.Clone(m.Rows)
+	for i := range m.Rows {
+		m.Rows[i].Newer = m.Rows[i].Newer && after[m.Rows[i].Xmin]
+	}
+	return m
+}
+
+// committedAfterSlot returns which of xids committed after the slot's
+// confirmed position. pgoutput sends nothing for a transaction that only
+// changed the catalog, so it decodes the WAL from that position with a
+// temporary copy of the slot under test_decoding, which shows every
+// transaction (its COMMIT line carries the xid), and drops the copy. The
+// WAL is decoded up to the server's end, on the server; only a count comes
+// back. A membership created in a subtransaction carries the
+// subtransaction's xid, which test_decoding does not show: such a
+// membership is taken as older than the slot.
+func committedAfterSlot(ctx context.Context, conn *pgx.Conn, slot string, xids []string) (map[string]bool, error) {
+	probe := fmt.Sprintf("jetbox_probe_%d", conn.PgConn().PID())
+	if _, err := conn.Exec(ctx, "SELECT pg_copy_logical_replication_slot($1, $2, true, 'test_decoding')", slot, probe); err != nil {
+		return nil, fmt.Errorf("copy slot %q to a temporary test_decoding slot %q: %w", slot, probe, err)
+	}
+	defer func() {
+		dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		_, _ = conn.Exec(dctx, "SELECT pg_drop_replication_slot($1)", probe)
+	}()
+	commits := make([]string, len(xids))
+	for i, x := range xids {
+		commits[i] = "COMMIT " + x
+	}
+	rows, err := conn.Query(ctx, `SELECT DISTINCT substr(data, 8) FROM pg_logical_slot_peek_changes($1, NULL, NULL, 'include-xids', '1', 'skip-empty-xacts', '0')
+		WHERE data = ANY ($2)`, probe, commits)
+	if err != nil {
+		return nil, fmt.Errorf("decode slot %q's WAL from its confirmed position: %w", slot, err)
+	}
+	found, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("decode slot %q's WAL from its confirmed position: %w", slot, err)
+	}
+	after := map[string]bool{}
+	for _, x := range found {
+		after[x] = true
+	}
+	return after, nil
+}
+
+// memberProblem is a publication setting under which Postgres streams some
+// outbox rows or headers not at all.
+type memberProblem struct {
+	What, Fix string
+	Loss      string // what a stream written under it misses
+}
+
+// problems returns what in the membership loses rows or data silently: a
+// row filter, a column list leaving out a column jetbox reads.
+func (m membership) problems(cfg Config) []memberProblem {
+	pub, table := quoteIdent(cfg.Publication), cfg.quotedTable()
+	republish := fmt.Sprintf("BEGIN; ALTER PUBLICATION %s DROP TABLE %s; ALTER PUBLICATION %s ADD TABLE %s; COMMIT", pub, table, pub, table)
+	var out []memberProblem
+	if m.RowFilter != "" {
+		out = append(out, memberProblem{
+			What: fmt.Sprintf("publication %q publishes %s with a row filter (WHERE %s): Postgres never streams the rows it filters out, and jetbox would confirm the slot past them",
+				cfg.Publication, cfg.qualifiedTable(), m.RowFilter),
+			Fix:  "publish every row: " + republish,
+			Loss: "the outbox rows it filtered out since then may be missing from the stream",
+		})
+	}
+	if len(m.Left) > 0 {
+		cols := make([]string, len(m.Left))
+		for i, c := range m.Left {
+			cols[i] = strconv.Quote(c)
+		}
+		what := fmt.Sprintf("publication %q publishes %s with a column list that leaves out column %s: Postgres streams the rows without it",
+			cfg.Publication, cfg.qualifiedTable(), strings.Join(cols, ", "))
+		if slices.Contains(m.Left, cfg.Decoder.Columns.Headers) {
+			what += " (without headers every user header, traceparent included, is dropped)"
+		}
+		out = append(out, memberProblem{What: what, Fix: "publish every column: " + republish,
+			Loss: "the outbox rows committed since then were published without those columns"})
+	}
+	return out
+}
+
+// readMembership reads the membership over conn (a replication connection
+// in database mode, or a normal one).
+func readMembership(ctx context.Context, conn *pgconn.PgConn, cfg Config) (membership, error) {
+	var m membership
+	res, err := conn.Exec(ctx, "SELECT current_setting('server_version_num')").ReadAll()
+	if err != nil {
+		return m, fmt.Errorf("read server version: %w", err)
+	}
+	if len(res) != 1 || len(res[0].Rows) != 1 {
+		return m, fmt.Errorf("read server version: no row")
+	}
+	num, err := strconv.Atoi(string(res[0].Rows[0][0]))
+	if err != nil {
+		return m, fmt.Errorf("parse server_version_num: %w", err)
+	}
+	pub, slot, table := quoteLiteral(cfg.Publication), quoteLiteral(cfg.Slot), quoteLiteral(cfg.quotedTable())
+	// newer(x): x's xmin is not older than the slot's catalog_xmin (age()
+	// measures back from the next xid, so an older xid has the greater age).
+	newer := func(x string) string {
+		return "coalesce((age(" + x + ".xmin) <= (SELECT age(catalog_xmin) FROM pg_replication_slots WHERE slot_name = " + slot + "))::text, '')"
+	}
+	q := `WITH p AS (SELECT oid, xmin, puballtables FROM pg_publication WHERE pubname = ` + pub + `)
+	SELECT 'publication', p.oid::text, p.xmin::text, ` + newer("p") + ` FROM p
+	UNION ALL SELECT 'table', r.oid::text, r.xmin::text, ` + newer("r") + ` FROM pg_publication_rel r JOIN p ON r.prpubid = p.oid WHERE r.prrelid = to_regclass(` + table + `)
+	UNION ALL SELECT 'all-tables', p.oid::text, p.xmin::text, ` + newer("p") + ` FROM p WHERE p.puballtables`
+	if num >= 150000 {
+		q += `
+	UNION ALL SELECT 'schema', n.oid::text, n.xmin::text, ` + newer("n") + ` FROM pg_publication_namespace n JOIN p ON n.pnpubid = p.oid
+		WHERE n.pnnspid = (SELECT c.relnamespace FROM pg_class c WHERE c.oid = to_regclass(` + table + `))`
+	}
+	res, err = conn.Exec(ctx, q).ReadAll()
+	if err != nil {
+		return m, fmt.Errorf("read the membership of %s in publication %q: %w", cfg.qualifiedTable(), cfg.Publication, err)
+	}
+	if len(res) != 1 {
+		return m, fmt.Errorf("read the membership of %s: %d results", cfg.qualifiedTable(), len(res))
+	}
+	for _, row := range res[0].Rows {
+		if len(row) != 4 {
+			return m, fmt.Errorf("read the membership of %s: %d columns, want 4", cfg.qualifiedTable(), len(row))
+		}
+		xmin, newer := string(row[2]), string(row[3])
+		m.SlotKnown = newer != ""
+		if string(row[0]) == "publication" {
+			m.PubXmin, m.PubNewer = xmin, newer == "true"
+			continue
+		}
+		oid, err := strconv.ParseUint(string(row[1]), 10, 32)
+		if err != nil {
+			return m, fmt.Errorf("parse a publication row's OID: %w", err)
+		}
+		m.Rows = append(m.Rows, memberRow{Kind: string(row[0]), OID: uint32(oid), Xmin: xmin, Newer: newer == "true"})
+	}
+	if num < 150000 {
+		return m, nil
+	}
+	// The row filter, and which configured columns the table has but the
+	// column list leaves out (attnames lists every column without a list).
+	c := cfg.Decoder.Columns
+	var wanted []string
+	for _, n := range []string{c.ID, c.AggregateType, c.AggregateID, c.EventType, c.Payload, c.Headers} {
+		if n != "" {
+			wanted = append(wanted, quoteLiteral(n))
+		}
+	}
+	where := `t.pubname = ` + pub + ` AND t.schemaname = ` + quoteLiteral(cfg.Decoder.Schema) + ` AND t.tablename = ` + quoteLiteral(cfg.Decoder.Table)
+	res, err = conn.Exec(ctx, `SELECT 'filter', coalesce(t.rowfilter, '') FROM pg_publication_tables t WHERE `+where+`
+	UNION ALL SELECT 'left', a.attname FROM pg_publication_tables t, pg_attribute a
+		WHERE `+where+` AND a.attrelid = to_regclass(`+table+`) AND a.attnum > 0 AND NOT a.attisdropped
+		AND a.attname IN (`+strings.Join(wanted, ", ")+`) AND NOT a.attname = ANY (t.attnames)`).ReadAll()
+	if err != nil {
+		return m, fmt.Errorf("read the row filter and column list of %s in publication %q: %w", cfg.qualifiedTable(), cfg.Publication, err)
+	}
+	if len(res) != 1 {
+		return m, fmt.Errorf("read the row filter of %s: %d results", cfg.qualifiedTable(), len(res))
+	}
+	for _, row := range res[0].Rows {
+		if len(row) != 2 {
+			return m, fmt.Errorf("read the row filter of %s: %d columns, want 2", cfg.qualifiedTable(), len(row))
+		}
+		switch string(row[0]) {
+		case "filter":
+			m.RowFilter = string(row[1])
+		case "left":
+			m.Left = append(m.Left, string(row[1]))
+		}
+	}
+	return m, nil
+}
+
+// repairFix is the way out when rows may be missing from the stream: the
+// slot goes, and jetbox repair publishes from the table what the stream
+// misses and creates the slot again.
+func repairFix(cfg Config, since string) string {
+	repair := "`jetbox repair`"
+	if since != "" {
+		repair = "`jetbox repair --since " + since + "`"
+	}
+	return fmt.Sprintf("stop every jetbox on slot %q, drop the slot (SELECT pg_drop_replication_slot('%s')), run %s with the same configuration (it publishes from the table the rows the stream misses and creates the slot again), then start jetbox",
+		cfg.Slot, strings.ReplaceAll(cfg.Slot, "'", "''"), repair)
+}
+
+// newerError explains a membership newer than the slot's position, found
+// at start-up.
+// How says how it is known.
+func newerError(cfg Config, m membership, confirmed, how string) (what, fix string) {
+	what = fmt.Sprintf("table %s was added to publication %q after the slot's position (confirmed to %s), or its membership changed since (dropped from the publication and added back, a row filter or column list changed, the publication altered): the catalog rows behind it (%s) %s. Postgres never streams rows committed while the table was not published, so outbox rows committed after %s may be missing from the stream",
+		cfg.qualifiedTable(), cfg.Publication, confirmed, m.describe(), how, confirmed)
+	fix = "restore the publication if it is not as it should be, then " + repairFix(cfg, "") +
+		"; or, if those rows are in the stream already (re-published after an earlier error), start once with --accept-lost-rows"
+	return what, fix
+}
+
+// changedError explains a membership that changed under jetbox: the rows
+// behind it now are not those seen when it started.
+func (s *Streamer) changedError(then, now membership, when, since string) error {
+	cfg := s.cfg
+	return &PermanentError{
+		Err: fmt.Errorf("the membership of table %s in publication %q was re-created %s (catalog rows %s at start, now %s): it was dropped from the publication and added back, its row filter or column list changed, or the publication was altered (its publish setting, its owner). Postgres never streams rows committed while the table was not published (or filtered out), and jetbox may have confirmed the slot past them: outbox rows committed since then may be missing from the stream",
+			cfg.qualifiedTable(), cfg.Publication, when, then.describe(), now.describe()),
+		Hint: "fix: restore the publication if it is not as it should be, then " + repairFix(cfg, since),
+	}
+}
+
+// checkMembership reads the outbox's membership in the publication over the
+// replication connection, before streaming starts. A row filter or a column
+// list leaving out a column jetbox reads stops jetbox. The first session
+// records the membership for the monitor; a later one that finds none of
+// its catalog rows stops jetbox: the membership was re-created meanwhile.
+func (s *Streamer) checkMembership(ctx context.Context, conn *pgconn.PgConn) error {
+	if !s.cfg.hasTable() {
+		return nil
+	}
+	m, err := readMembership(ctx, conn, s.cfg)
+	if err != nil {
+		return err
+	}
+	if ps := m.problems(s.cfg); len(ps) > 0 {
+		return &PermanentError{Err: errors.New(ps[0].What), Hint: "fix: " + ps[0].Fix + ", then " + repairFix(s.cfg, "")}
+	}
+	first := s.member.Load()
+	switch {
+	case len(m.Rows) == 0: // not a member: the publication check reports it
+	case first == nil:
+		s.member.Store(&m)
+	case !continuous(*first, m):
+		return s.changedError(*first, m, "while jetbox was reconnecting", "")
+	}
+	return nil
+}
