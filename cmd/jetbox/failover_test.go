@@ -254,3 +254,74 @@ func queryString(t *testing.T, f *fixture, sql string) string {
 	must(t, f.conn().QueryRow(ctxT(t, 10*time.Second), sql).Scan(&s))
 	return s
 }
+
+// TestFailoverDuringRepair (PostgreSQL 17+): the primary fails while jetbox
+// repair publishes a backfill, and the standby is promoted. The repair's
+// marker is a physical slot, which no standby gets; its logical slot used
+// to be a failover slot, synchronised to the standby: the promoted server
+// then had the slot without the marker, jetbox run streamed from it and the
+// rest of the snapshot was lost. The repair's slot becomes a failover slot
+// only once the repair is done: after the promotion jetbox run finds no
+// slot and refuses (lost slot), the repair run again on the promoted server
+// finishes the backfill, and the stream holds every row once.
+func TestFailoverDuringRepair(t *testing.T) {
+	f, _, sb, major := haFixture(t)
+	if major < 17 {
+		t.Skipf("PostgreSQL %d has no failover slots (17+): run with JETBOX_PG_BINDIR=$(.ci/fetch-postgres 17)", major)
+	}
+	f.backfill(20_000)
+	// The standby has every row before the repair starts.
+	sconn := sb.Conn(t)
+	testenv.WaitFor(t, time.Minute, func() error {
+		var n int
+		if err := sconn.QueryRow(ctxT(t, 5*time.Second), "SELECT count(*) FROM outbox").Scan(&n); err != nil {
+			return err
+		}
+		if n != 20_000 {
+			return fmt.Errorf("standby holds %d rows", n)
+		}
+		return nil
+	})
+	sconn.Close(ctxT(t, 5*time.Second))
+
+	rp := f.startCmd([]string{"repair"}, "JETBOX_MAX_IN_FLIGHT=1") // slow enough to fail over half-way
+	testenv.WaitFor(t, 2*time.Minute, func() error {
+		select {
+		case <-rp.done:
+			t.Fatalf("repair exited with %d before the failover:\n%s", rp.code, rp.tail(4096))
+		default:
+		}
+		n, err := testenv.StreamCount(f.js, "OUTBOX")
+		if err == nil && n < 200 {
+			err = fmt.Errorf("stream holds %d rows", n)
+		}
+		return err
+	})
+	if got := strings.TrimSpace(queryString(t, f, "SELECT failover::text FROM pg_replication_slots WHERE slot_name = 'jetbox'")); got != "false" {
+		t.Fatalf("the slot of a running repair has failover = %s: a promotion would keep it without the repair's marker", got)
+	}
+	failover(t, f, sb)
+	rp.kill()
+	half, _ := testenv.StreamCount(f.js, "OUTBOX")
+	if half >= 20_000 {
+		t.Fatalf("the repair finished (%d messages) before the failover", half)
+	}
+
+	p := f.start()
+	p.waitExit(exitConfig, "lost-slot:", "jetbox repair")
+	rp = f.repair()
+	if got := strings.TrimSpace(queryString(t, f, "SELECT failover::text FROM pg_replication_slots WHERE slot_name = 'jetbox'")); got != "true" {
+		t.Fatalf("a finished repair's slot has failover = %s, want a failover slot as jetbox run makes", got)
+	}
+	var want []string
+	rows, err := f.conn().Query(ctxT(t, time.Minute), "SELECT id::text FROM outbox ORDER BY created_at, id")
+	must(t, err)
+	for rows.Next() {
+		var id string
+		must(t, rows.Scan(&id))
+		want = append(want, id)
+	}
+	must(t, rows.Err())
+	f.assertRepaired(want, keyCreatedAt)
+	t.Logf("failover with %d of %d rows repaired; the second repair published the rest", half, len(want))
+}
