@@ -198,8 +198,11 @@ func readServer(ctx context.Context, conn *pgconn.PgConn, slot string) (server, 
 	if err != nil {
 		return server{}, fmt.Errorf("identify system: %w", err)
 	}
-	res, err := conn.Exec(ctx, "SELECT coalesce(wal_status, ''), EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = "+quoteLiteral(RepairMarker(slot))+
-		") FROM pg_replication_slots WHERE slot_name = "+quoteLiteral(slot)).ReadAll()
+	// One row: the slot's wal_status ("-": no slot), and whether a repair's
+	// marker exists (with or without the slot: a repair killed before it
+	// created the slot).
+	res, err := conn.Exec(ctx, "SELECT coalesce((SELECT coalesce(wal_status, '') FROM pg_replication_slots WHERE slot_name = "+quoteLiteral(slot)+
+		"), '-'), EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = "+quoteLiteral(RepairMarker(slot))+")").ReadAll()
 	if err != nil {
 		return server{}, fmt.Errorf("read slot %q: %w", slot, err)
 	}
@@ -207,11 +210,13 @@ func readServer(ctx context.Context, conn *pgconn.PgConn, slot string) (server, 
 		h, err := pglogrepl.TimelineHistory(ctx, conn, tl)
 		return h.Content, err
 	}}
-	if len(res) == 1 && len(res[0].Rows) == 1 {
-		srv.lostSlot = string(res[0].Rows[0][0]) == "lost"
-		srv.slot = !srv.lostSlot
-		srv.marker = len(res[0].Rows[0]) > 1 && string(res[0].Rows[0][1]) == "t"
+	if len(res) != 1 || len(res[0].Rows) != 1 || len(res[0].Rows[0]) != 2 {
+		return server{}, fmt.Errorf("read slot %q: unexpected result", slot)
 	}
+	row := res[0].Rows[0]
+	srv.lostSlot = string(row[0]) == "lost"
+	srv.slot = string(row[0]) != "-" && !srv.lostSlot
+	srv.marker = string(row[1]) == "t"
 	return srv, nil
 }
 

@@ -42,6 +42,7 @@ func TestVerifyHistory(t *testing.T) {
 		{"timeline not in the history", tip("42/4/app/jetbox", 0x100), true, srv(5, 0x6000000, true), CaseTimeline},
 		{"an unfinished repair", tip("42/1/app/jetbox", 0x3000000), true, server{sys: srv(1, 0x4000000, true).sys, slot: true, marker: true}, CaseRepair},
 		{"an unfinished repair of an empty stream", StreamTip{}, false, server{sys: srv(1, 0x4000000, true).sys, slot: true, marker: true}, CaseRepair},
+		{"a repair killed between its marker and its slot", StreamTip{}, false, server{sys: srv(1, 0x4000000, true).sys, marker: true}, CaseRepair},
 		{"a database name with a slash", tip("42/1/a%2Fb/jetbox", 0x5000000), true, server{sys: pglogrepl.IdentifySystemResult{SystemID: "42", Timeline: 1, XLogPos: 0x4000000, DBName: "a/b"}, slot: true}, CaseRewind},
 	} {
 		t.Run(c.name, func(t *testing.T) {
