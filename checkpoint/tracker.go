@@ -261,21 +261,25 @@ func (t *Tracker[T]) FailPending(err error) {
 }
 
 // Failures returns the number of failed events awaiting Requeue and the
-// error of the first of them in window order (the cause: the events after
-// a failure usually fail because of it, and their outcomes may be
-// reported first).
+// first error among them (the first reported).
 func (t *Tracker[T]) Failures() (int, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if t.failed == 0 {
-		return 0, nil
-	}
+	return t.failed, t.lastErr
+}
+
+// FailedErrors returns the errors of the failed events awaiting Requeue,
+// in window order.
+func (t *Tracker[T]) FailedErrors() []error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	var errs []error
 	for i := range t.entries {
 		if e := &t.entries[i]; !e.commit && e.state == failed {
-			return t.failed, e.err
+			errs = append(errs, e.err)
 		}
 	}
-	return t.failed, t.lastErr
+	return errs
 }
 
 // Retry is a failed event handed back for publishing again.

@@ -357,3 +357,25 @@ func TestWaitResolvedBefore(t *testing.T) {
 		t.Fatalf("returned %v with c in flight", err)
 	}
 }
+
+func TestFailedErrorsInWindowOrder(t *testing.T) {
+	tr := New[int](0, 10, 0)
+	var tickets []Ticket
+	for i := range 3 {
+		tk, ok, err := tr.TryAdd(1, i)
+		if !ok || err != nil {
+			t.Fatal(ok, err)
+		}
+		tickets = append(tickets, tk)
+	}
+	e1, e2 := errors.New("second"), errors.New("first")
+	tr.Fail(tickets[2], e1)
+	tr.Done(tickets[1])
+	tr.Fail(tickets[0], e2)
+	if n, err := tr.Failures(); n != 2 || err != e1 {
+		t.Fatalf("Failures() = %d, %v: want 2 and the first reported", n, err)
+	}
+	if got := tr.FailedErrors(); len(got) != 2 || got[0] != e2 || got[1] != e1 {
+		t.Fatalf("FailedErrors() = %v, want window order", got)
+	}
+}

@@ -268,8 +268,12 @@ func (r *runner) recover(ctx context.Context) error {
 			r.backoff = 0
 			return nil
 		}
-		if err := r.stopOn(cause); err != nil {
-			return err
+		// Any failed row may hold the reason to stop: their acks come in
+		// any order, and the rows after a failure fail because of it.
+		for _, err := range r.tr.FailedErrors() {
+			if err := r.stopOn(err); err != nil {
+				return err
+			}
 		}
 		// Let the pass end: its acks resolve or are given up.
 		if r.sess != nil {
