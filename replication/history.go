@@ -24,6 +24,7 @@ type StreamTip struct {
 	CommitLSN  pglogrepl.LSN
 	TxIndex    int    // Jetbox-Tx-Index
 	ID         string // Nats-Msg-Id
+	RowID      string // Jetbox-Row-Id: a dead letter's row (its id when the sink refused it)
 	CommitTime string
 	Scheme     string    // how its Jetbox-Tx-Index counted (decoder.Config.IndexScheme)
 	Stored     time.Time // when the server stored it

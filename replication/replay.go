@@ -51,7 +51,9 @@ func (r *tipReplay) event(lsn pglogrepl.LSN, index int, id string) error {
 	case lsn < r.tip.CommitLSN || (lsn == r.tip.CommitLSN && index < r.tip.TxIndex):
 		r.replayed = true // before the tip: the replay goes on
 		return nil
-	case lsn == r.tip.CommitLSN && index == r.tip.TxIndex && id == r.tip.ID:
+	case lsn == r.tip.CommitLSN && index == r.tip.TxIndex && (id == r.tip.ID || (r.tip.RowID != "" && id == r.tip.RowID)):
+		// The same message, or the dead letter the sink stored for the row
+		// (a repeated id, too large for the server): it carries the row's id.
 		r.pending = false
 		return nil
 	case lsn == r.tip.CommitLSN && index == r.tip.TxIndex:

@@ -141,3 +141,22 @@ func TestRewindWrittenPastTheTipAccepted(t *testing.T) {
 	h.waitFlush(x.end)
 	h.finished()
 }
+
+// The stream's tip is a dead letter the sink substituted (a repeated id,
+// too large for the server): it carries the dead letter's id and the row's
+// in Jetbox-Row-Id, while the slot's replay decodes the row with its own
+// id. A restart before the slot confirmed that transaction goes on.
+func TestReplayOfASinkDeadLetterTipGoesOn(t *testing.T) {
+	sink := &fakeSink{}
+	h := newHarness(t, Config{}, sink)
+	x := h.tx(1)
+	y := h.tx(1)
+	sink.tip = &StreamTip{Seq: 40, Source: fakeSource, CommitLSN: x.commit, TxIndex: 0,
+		ID: "jetbox-dlq-" + x.commit.String() + "-0", RowID: x.ids[0]}
+	h.run()
+	h.wal.send(x.all()...)
+	h.wal.send(y.all()...)
+	h.waitStored(y.ids[0])
+	h.waitFlush(y.end)
+	h.finished()
+}

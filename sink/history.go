@@ -20,6 +20,7 @@ type Tip struct {
 	CommitLSN  pglogrepl.LSN
 	TxIndex    int       // Jetbox-Tx-Index
 	ID         string    // Nats-Msg-Id
+	RowID      string    // Jetbox-Row-Id of a dead letter
 	CommitTime string    // Jetbox-Commit-Time, as stored
 	Scheme     string    // Jetbox-Index-Scheme: "" when absent (--source=table)
 	Stored     time.Time // when the server stored it
@@ -104,7 +105,7 @@ func tipOf(seq uint64, subject string, stored time.Time, h nats.Header, writer s
 	if !ok || !parsed || o.Writer() != writer {
 		return Tip{}, false
 	}
-	return Tip{Seq: seq, Source: src, CommitLSN: pglogrepl.LSN(pos.CommitLSN), TxIndex: pos.TxIndex, ID: h.Get(jetstream.MsgIDHeader),
+	return Tip{Seq: seq, Source: src, CommitLSN: pglogrepl.LSN(pos.CommitLSN), TxIndex: pos.TxIndex, ID: h.Get(jetstream.MsgIDHeader), RowID: h.Get(decoder.HeaderRowID),
 		CommitTime: h.Get(HeaderCommitTime), Scheme: h.Get(HeaderIndexScheme), Stored: stored, RepairSince: h.Get(HeaderRepairSince), Subject: subject}, true
 }
 

@@ -211,7 +211,7 @@ type sinkAdapter struct {
 // Tip reads the stream's last jetbox message (see replication.TipSource).
 func (a sinkAdapter) Tip(ctx context.Context, writer string) (replication.StreamTip, bool, error) {
 	t, ok, err := a.p.Tip(ctx, writer)
-	return replication.StreamTip{Seq: t.Seq, Source: t.Source, CommitLSN: t.CommitLSN, TxIndex: t.TxIndex, ID: t.ID,
+	return replication.StreamTip{Seq: t.Seq, Source: t.Source, CommitLSN: t.CommitLSN, TxIndex: t.TxIndex, ID: t.ID, RowID: t.RowID,
 		CommitTime: t.CommitTime, Scheme: t.Scheme, Stored: t.Stored, RepairSince: t.RepairSince, Subject: t.Subject}, ok, err
 }
 
