@@ -136,3 +136,27 @@ func TestTemplateAndPartitionProblemsTogether(t *testing.T) {
 		}
 	}
 }
+
+// TestDeadLetterHintNamesSubject: the way past an invalid row that an exit
+// or a repair prints names the configured --dead-letter-subject, not
+// <prefix>._dlq; without dead-lettering, the subject it would use.
+func TestDeadLetterHintNamesSubject(t *testing.T) {
+	f := RunFlags{}
+	parseDefaults(t, &f)
+	f.PostgresURL, f.OnInvalid, f.DeadLetterSubj = "postgres://u@127.0.0.1/db", "dead-letter", "events.dlq"
+	cfg, err := f.Config()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := deadLetterNext(cfg, decoder.ReasonTooLarge, "restart")
+	if !strings.Contains(got, "events.dlq.too-large") || strings.Contains(got, "._dlq") || strings.Contains(got, "restart with --on-invalid") {
+		t.Errorf("with --dead-letter-subject: %q", got)
+	}
+	f.OnInvalid, f.DeadLetterSubj = "stop", ""
+	if cfg, err = f.Config(); err != nil {
+		t.Fatal(err)
+	}
+	if got := deadLetterNext(cfg, decoder.ReasonBadSubject, "restart"); !strings.Contains(got, "restart with --on-invalid=dead-letter to publish it to outbox._dlq.bad-subject") {
+		t.Errorf("stop: %q", got)
+	}
+}
