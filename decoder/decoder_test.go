@@ -345,7 +345,10 @@ func TestSubject(t *testing.T) {
 		}
 	}
 	bad := [][3]string{{"", "a", "b"}, {"a..b", "a", "b"}, {"a.", "a", "b"}, {"o", "", "b"}, {"o", "a b", "c"}, {"o", "a", "b\tc"},
-		{"o", ">", "c"}, {"o", "a", "*"}, {"o", "a.b", "c"}, {"o", "a", "\x7f"}, {"o", "\xff", "c"}, {"o*", "a", "b"}}
+		{"o", ">", "c"}, {"o", "a", "*"}, {"o", "a.b", "c"}, {"o", "a", "\x7f"}, {"o", "\xff", "c"}, {"o*", "a", "b"},
+		// A value may not start a token with '_': <prefix>._jetbox is the
+		// atomic probe's subject, <prefix>._dlq the dead letters'.
+		{"o", "_jetbox", "c"}, {"o", "_dlq", "c"}, {"o", "a", "_x"}}
 	for _, b := range bad {
 		if _, err := Subject(b[0], b[1], b[2]); err == nil {
 			t.Errorf("%q accepted", b)

@@ -81,6 +81,8 @@ func FuzzParseHeaders(f *testing.F) {
 func FuzzSubject(f *testing.F) {
 	f.Add("outbox", "order", "OrderCreated")
 	f.Add("a.b", "c d", "*")
+	f.Add("outbox", "_jetbox", "atomic")
+	f.Add("outbox", "order", "_dlq")
 	f.Fuzz(func(t *testing.T, prefix, agg, ev string) {
 		subj, err := Subject(prefix, agg, ev)
 		if err != nil {
@@ -93,6 +95,9 @@ func FuzzSubject(f *testing.F) {
 			if tok == "" || tok == "*" || tok == ">" {
 				t.Fatalf("bad token in %q", subj)
 			}
+		}
+		if strings.HasPrefix(agg, "_") || strings.HasPrefix(ev, "_") {
+			t.Fatalf("%q: a row value starts a token with '_' (jetbox's own subjects)", subj)
 		}
 	})
 }

@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"strings"
 	"unicode/utf8"
 
 	"github.com/jackc/pglogrepl"
@@ -17,6 +18,37 @@ const HeartbeatPrefix = "jetbox-heartbeat"
 
 // DefaultMessagePrefix is the default prefix of outbox messages.
 const DefaultMessagePrefix = "jetbox"
+
+// MaxMessagePrefix is the longest Config.MessagePrefix: it is a header
+// value (Jetbox-Index-Scheme on every message) and a label.
+const MaxMessagePrefix = 128
+
+// ValidMessagePrefix checks a Config.MessagePrefix: it goes as it is into
+// the Jetbox-Index-Scheme header of every message, which a restart reads
+// back and compares, so it must survive as a header value: valid UTF-8,
+// no control characters (a CR or LF would end the header), no space at
+// either end (a NATS client trims it on read), no "Nats-" (see
+// mentionsNATSHeader: it could hide Nats-Msg-Id from a 2.10 server), and
+// not the heartbeats' prefix.
+func ValidMessagePrefix(p string) error {
+	switch {
+	case p == "":
+		return fmt.Errorf("empty")
+	case p == HeartbeatPrefix:
+		return fmt.Errorf("the prefix of jetbox's own heartbeats")
+	case !utf8.ValidString(p):
+		return fmt.Errorf("not valid UTF-8")
+	case !printable(p):
+		return fmt.Errorf("holds a control character (CR, LF, tab...), which would end the Jetbox-Index-Scheme header every message carries")
+	case strings.TrimSpace(p) != p:
+		return fmt.Errorf("starts or ends with a space, which NATS clients trim from the header every message carries: a restart would read another prefix back")
+	case mentionsNATSHeader(p):
+		return fmt.Errorf("holds \"Nats-\": NATS servers before 2.11 find their headers by text search, so the Jetbox-Index-Scheme header could hide Nats-Msg-Id (no dedup) or the order guard")
+	case len(p) > MaxMessagePrefix:
+		return fmt.Errorf("%d bytes, over %d", len(p), MaxMessagePrefix)
+	}
+	return nil
+}
 
 // Why a logical decoding message published nothing (Message.Ignored).
 const (

@@ -299,9 +299,9 @@ func (r *relation) check(ev *Event, cols []column, cfg *Config) *InvalidEventErr
 		var serr error
 		if subject, serr = cfg.subject(ev); serr != nil {
 			if cfg.Subjects == nil {
-				return invalid(ReasonBadSubject, "", serr.Error(), "aggregate_type and event_type must each be one NATS subject token: no spaces, '.', '*', '>' or control characters")
+				return invalid(ReasonBadSubject, "", serr.Error(), "aggregate_type and event_type must each be one NATS subject token: no spaces, '.', '*', '>' or control characters, and not starting with '_' (jetbox's own subjects)")
 			}
-			return invalid(ReasonBadSubject, "", serr.Error(), "every value the subject template "+cfg.Subjects.String()+" uses must be one NATS subject token: no spaces, '.', '*', '>' or control characters")
+			return invalid(ReasonBadSubject, "", serr.Error(), "every value the subject template "+cfg.Subjects.String()+" uses must be one NATS subject token: no spaces, '.', '*', '>' or control characters, and none that starts a token with '_' (jetbox's own subjects)")
 		}
 		if max := cfg.MaxSubjectLength; max > 0 && len(subject) > max {
 			return invalid(ReasonBadSubject, "", fmt.Sprintf("subject %s... is %d bytes, over the limit of %d (the NATS server's max_control_line less the reply subject and sizes: a longer line makes the server close the connection)", truncate(subject, 64), len(subject), max),

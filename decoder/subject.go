@@ -15,10 +15,10 @@ func Subject(prefix, aggregateType, eventType string) (string, error) {
 	if err := ValidPrefix(prefix); err != nil {
 		return "", err
 	}
-	if err := validToken(aggregateType); err != nil {
+	if err := validValue(aggregateType, true); err != nil {
 		return "", fmt.Errorf("aggregate_type %q: %w", aggregateType, err)
 	}
-	if err := validToken(eventType); err != nil {
+	if err := validValue(eventType, true); err != nil {
 		return "", fmt.Errorf("event_type %q: %w", eventType, err)
 	}
 	return prefix + "." + aggregateType + "." + eventType, nil
@@ -44,6 +44,21 @@ func ValidPrefix(prefix string) error {
 		if err := validToken(tok); err != nil {
 			return fmt.Errorf("subject prefix %q: %w", prefix, err)
 		}
+	}
+	return nil
+}
+
+// validValue checks a row's value as (part of) a subject token; first: it
+// starts the token. A token after the prefix that starts with '_' is
+// jetbox's own (the dead letters <prefix>._dlq, the atomic probe
+// <prefix>._jetbox...), so a value may not start one: aggregate_type
+// "_dlq" would land among the dead letters consumers filter out.
+func validValue(v string, first bool) error {
+	if err := validToken(v); err != nil {
+		return err
+	}
+	if first && strings.HasPrefix(v, "_") {
+		return fmt.Errorf("starts with '_', which marks jetbox's own subjects (<prefix>._dlq, <prefix>._jetbox...)")
 	}
 	return nil
 }

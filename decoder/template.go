@@ -160,7 +160,7 @@ func (t *Template) Render(prefix string, ev *Event) (string, error) {
 	b.WriteString(prefix)
 	for _, pieces := range t.tokens {
 		b.WriteByte('.')
-		for _, p := range pieces {
+		for j, p := range pieces {
 			var v, name string
 			switch p.field {
 			case "":
@@ -176,7 +176,7 @@ func (t *Template) Render(prefix string, ev *Event) (string, error) {
 				b.WriteString(strconv.Itoa(Partition(ev.AggregateID, t.partitions)))
 				continue
 			}
-			if err := validToken(v); err != nil {
+			if err := validValue(v, j == 0); err != nil {
 				return "", fmt.Errorf("%s %q: %w", name, v, err)
 			}
 			b.WriteString(v)

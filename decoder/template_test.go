@@ -77,6 +77,19 @@ func TestRenderTemplate(t *testing.T) {
 			t.Errorf("aggregate_id %q: %v", id, err)
 		}
 	}
+	// A value that starts a token may not start with '_' (jetbox's own
+	// subjects: <prefix>._dlq, <prefix>._jetbox); inside one it may.
+	for _, id := range []string{"_dlq", "_jetbox"} {
+		ev.AggregateID = id
+		if _, err := tpl.Render("outbox", ev); err == nil || !strings.Contains(err.Error(), "'_'") {
+			t.Errorf("aggregate_id %q: %v", id, err)
+		}
+	}
+	inner, _ := ParseTemplate("{prefix}.x{aggregate_type}.{event_type}", 0)
+	if got, err := inner.Render("outbox", &Event{AggregateType: "_a", EventType: "E"}); err != nil || got != "outbox.x_a.E" {
+		t.Errorf("inside a token: %q %v", got, err)
+	}
+	ev.AggregateID = "o-17"
 	// The default template renders today's subjects.
 	def, _ := ParseTemplate(DefaultSubjectTemplate, 0)
 	ev.AggregateID = "x.y" // not in the subject: no matter

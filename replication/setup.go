@@ -261,10 +261,28 @@ func (c *checker) publication(tableOK bool) bool {
 		c.fail("postgres.publication", err)
 		return true
 	}
+	// A partitioned outbox in a publication without
+	// publish_via_partition_root is a member, yet pg_publication_tables
+	// lists its leaf partitions instead: rows would be named after them
+	// (ADD TABLE is refused, the table already is a member).
+	var leaves bool
 	if n == 0 {
+		if err := c.conn.QueryRow(c.ctx, `SELECT EXISTS (SELECT 1 FROM pg_publication p, pg_class t, pg_publication_tables pt
+			WHERE p.pubname = $1 AND NOT p.pubviaroot AND t.oid = to_regclass($2) AND t.relkind = 'p'
+			AND pt.pubname = p.pubname AND to_regclass(quote_ident(pt.schemaname) || '.' || quote_ident(pt.tablename)) IN (SELECT relid FROM pg_partition_tree(t.oid)))`,
+			c.cfg.Publication, c.cfg.quotedTable()).Scan(&leaves); err != nil {
+			c.fail("postgres.publication", err)
+			return true
+		}
+	}
+	switch {
+	case leaves:
+		c.l.Add(check.Error, "postgres.publication", fmt.Sprintf("publication %q publishes the partitioned table %s without publish_via_partition_root: its rows would arrive named after the leaf partitions, not the outbox", c.cfg.Publication, c.cfg.qualifiedTable()),
+			fmt.Sprintf("ALTER PUBLICATION %s SET (publish_via_partition_root = true)", pub))
+	case n == 0:
 		c.l.Add(check.Error, "postgres.publication", fmt.Sprintf("publication %q does not contain %s", c.cfg.Publication, c.cfg.qualifiedTable()),
 			fmt.Sprintf("ALTER PUBLICATION %s ADD TABLE %s", pub, c.cfg.quotedTable()))
-	} else if insert {
+	case insert:
 		c.l.Add(check.Info, "postgres.publication", fmt.Sprintf("publication %q publishes inserts of %s", c.cfg.Publication, c.cfg.qualifiedTable()), "")
 	}
 	return true

@@ -291,11 +291,8 @@ func (f *RunFlags) Config() (Config, error) {
 	messagePrefix := ""
 	if fromMessages {
 		messagePrefix = f.MessagePrefix
-		switch f.MessagePrefix {
-		case "":
-			bad("message-prefix", "", "empty", "use e.g. jetbox (the default)")
-		case decoder.HeartbeatPrefix:
-			bad("message-prefix", f.MessagePrefix, "the prefix of jetbox's own heartbeats", "use another prefix, e.g. jetbox (the default)")
+		if err := decoder.ValidMessagePrefix(f.MessagePrefix); err != nil {
+			bad("message-prefix", f.MessagePrefix, err.Error(), "use the prefix your producers pass to pg_logical_emit_message: printable, without \"Nats-\" or spaces at the ends, at most "+strconv.Itoa(decoder.MaxMessagePrefix)+" bytes, e.g. jetbox (the default)")
 		}
 	}
 	// The template's syntax and the partition count are checked apart, so

@@ -322,7 +322,7 @@ func (r *repairer) stopError(err error) error {
 	if errors.As(err, &ie) {
 		next := "fix the row (or the cause) and run jetbox repair again"
 		if ie.DeadLetterable() {
-			next += fmt.Sprintf(", or run it with --on-invalid=dead-letter to publish it to %s._dlq.%s and go on", r.cfg.Sink.SubjectPrefix, ie.Code)
+			next += ", " + deadLetterNext(r.cfg, ie.Code, "run it again")
 		}
 		return fmt.Errorf("%w; the repair stopped before it (rows after it are not published yet, jetbox run refuses to start until a repair finishes): %s", err, next)
 	}

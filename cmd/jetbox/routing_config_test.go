@@ -59,6 +59,34 @@ func TestRoutingConfig(t *testing.T) {
 	}
 }
 
+// TestMessagePrefixValidated: --message-prefix goes into the
+// Jetbox-Index-Scheme header of every message, so a prefix that cannot be
+// a header value (CR/LF, "Nats-", a space at an end) is refused, reported
+// with the other problems, each with its fix.
+func TestMessagePrefixValidated(t *testing.T) {
+	for _, p := range []string{"a\r\nNats-Msg-Id: x", "acme\n", "Nats-x", "x-Nats-y", " jetbox", "jetbox\t", strings.Repeat("p", decoder.MaxMessagePrefix+1)} {
+		var out, errOut bytes.Buffer
+		code := realMain([]string{"run", "--postgres-url=postgres://x@127.0.0.1/db", "--source=messages", "--message-prefix=" + p, "--max-in-flight=0"}, &out, &errOut)
+		for _, want := range []string{"--message-prefix (JETBOX_MESSAGE_PREFIX)", "fix: use the prefix your producers pass", "--max-in-flight (JETBOX_MAX_IN_FLIGHT)"} {
+			if code != exitConfig || !strings.Contains(errOut.String(), want) {
+				t.Errorf("prefix %q: exit %d, output lacks %q:\n%s", p, code, want, errOut.String())
+			}
+		}
+	}
+	if decoder.ValidMessagePrefix("\xff") == nil {
+		t.Error("invalid UTF-8 accepted")
+	}
+	f := RunFlags{}
+	parseDefaults(t, &f)
+	f.PostgresURL, f.Source = "postgres://u@127.0.0.1/db", "messages"
+	for _, p := range []string{"jetbox", "acme.outbox:v2", "événements", "nats-lower"} {
+		f.MessagePrefix = p
+		if cfg, err := f.Config(); err != nil || cfg.Sink.IndexScheme != "messages:"+p {
+			t.Errorf("prefix %q: %v", p, err)
+		}
+	}
+}
+
 // parseDefaults fills f with the flags' defaults, as kong would, with no
 // JETBOX_* variable of the environment in the way.
 func parseDefaults(t *testing.T, f *RunFlags) {
@@ -106,5 +134,29 @@ func TestTemplateAndPartitionProblemsTogether(t *testing.T) {
 		if c.not != "" && strings.Contains(errOut.String(), c.not) {
 			t.Errorf("%v: blames %s:\n%s", c.args, c.not, errOut.String())
 		}
+	}
+}
+
+// TestDeadLetterHintNamesSubject: the way past an invalid row that an exit
+// or a repair prints names the configured --dead-letter-subject, not
+// <prefix>._dlq; without dead-lettering, the subject it would use.
+func TestDeadLetterHintNamesSubject(t *testing.T) {
+	f := RunFlags{}
+	parseDefaults(t, &f)
+	f.PostgresURL, f.OnInvalid, f.DeadLetterSubj = "postgres://u@127.0.0.1/db", "dead-letter", "events.dlq"
+	cfg, err := f.Config()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := deadLetterNext(cfg, decoder.ReasonTooLarge, "restart")
+	if !strings.Contains(got, "events.dlq.too-large") || strings.Contains(got, "._dlq") || strings.Contains(got, "restart with --on-invalid") {
+		t.Errorf("with --dead-letter-subject: %q", got)
+	}
+	f.OnInvalid, f.DeadLetterSubj = "stop", ""
+	if cfg, err = f.Config(); err != nil {
+		t.Fatal(err)
+	}
+	if got := deadLetterNext(cfg, decoder.ReasonBadSubject, "restart"); !strings.Contains(got, "restart with --on-invalid=dead-letter to publish it to outbox._dlq.bad-subject") {
+		t.Errorf("stop: %q", got)
 	}
 }

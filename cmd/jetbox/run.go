@@ -158,7 +158,7 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 		var ie *decoder.InvalidEventError
 		if errors.As(err, &ie) {
 			if ie.DeadLetterable() {
-				next = fmt.Sprintf("the slot stays before this row, so nothing after it is lost: fix the cause and restart, or restart with --on-invalid=dead-letter to publish it to %s._dlq.%s and go on", cfg.Sink.SubjectPrefix, ie.Code)
+				next = "the slot stays before this row, so nothing after it is lost: fix the cause and restart, " + deadLetterNext(cfg, ie.Code, "restart")
 			}
 			ev = ev.Str("event_id", ie.ID).Str("lsn", ie.LSN.String()).Str("reason", ie.Code).Str("hint", ie.Hint).Str("next", next)
 			cfg.Metrics.InvalidRows.WithLabelValues(ie.Code, "stop").Inc()
@@ -358,4 +358,16 @@ func connectNATS(cfg Config, log zerolog.Logger, asyncErr func(error)) (*nats.Co
 		opts = append(opts, nats.TLSHandshakeFirst())
 	}
 	return nats.Connect(cfg.NatsURL, opts...)
+}
+
+// deadLetterNext is the way past a dead-letterable row an exit or a
+// repair stopped on (verb: how to go on, "restart" or "run it"), naming
+// the dead-letter subject that is configured: --dead-letter-subject when
+// set (dead-lettering is on, and this row's dead letter failed too), else
+// the default <prefix>._dlq that --on-invalid=dead-letter would use.
+func deadLetterNext(cfg Config, code, verb string) string {
+	if dl := cfg.Replication.Decoder.DeadLetterSubject; dl != "" {
+		return fmt.Sprintf("or fix what refused its dead letter on %s.%s (jetbox runs with --on-invalid=dead-letter: see the error) and %s", dl, code, verb)
+	}
+	return fmt.Sprintf("or %s with --on-invalid=dead-letter to publish it to %s._dlq.%s (or to --dead-letter-subject.%s) and go on", verb, cfg.Sink.SubjectPrefix, code, code)
 }
