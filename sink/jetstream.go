@@ -54,10 +54,10 @@ type Config struct {
 	DuplicateWindow time.Duration // for a stream jetbox creates
 	// StreamSpec: replicas, limits, storage and discard of a stream jetbox
 	// creates, and which of them were given (compared with an existing one).
-	StreamSpec StreamSpec
-	PublishTimeout  time.Duration // how long to wait for one PubAck
-	MaxPending      int           // async publishes in flight (the tracker's window)
-	OrderGuard      bool          // set Nats-Expected-Last-Sequence (see package doc)
+	StreamSpec     StreamSpec
+	PublishTimeout time.Duration // how long to wait for one PubAck
+	MaxPending     int           // async publishes in flight (the tracker's window)
+	OrderGuard     bool          // set Nats-Expected-Last-Sequence (see package doc)
 	// MaxControlLine is the server's max_control_line (see SubjectLimit);
 	// 0: DefaultMaxControlLine.
 	MaxControlLine int

@@ -88,6 +88,7 @@ type RunFlags struct {
 	SubjectTemplate string `name:"subject-template" env:"JETBOX_SUBJECT_TEMPLATE" default:"{prefix}.{aggregate_type}.{event_type}" help:"Subject of each event: {prefix} first, then tokens made of literals and {aggregate_type}, {aggregate_id}, {event_type}, {partition} (see docs/routing.md)."`
 	Partitions      string `name:"partitions" env:"JETBOX_PARTITIONS" default:"0" help:"N for {partition}: FNV-1a 32 of aggregate_id modulo N (the same as a stream transform's partition()); 0: none. {partition} needs 1 or more."`
 	HTTPAddr        string `name:"http-addr" env:"JETBOX_HTTP_ADDR" default:"127.0.0.1:8080" help:"Address for /metrics, /healthz and /readyz; empty disables."`
+	FinalScrape     string `name:"final-scrape-wait" env:"JETBOX_FINAL_SCRAPE_WAIT" default:"1m" help:"After stopping on an invalid row (--on-invalid=stop), keep serving /metrics until it is scraped once more, at most this long, so that jetbox_invalid_rows_total{action=\"stop\"} reaches Prometheus (a restart would stop on the same row); 0: exit at once."`
 	PprofAddr       string `name:"pprof-addr" env:"JETBOX_PPROF_ADDR" help:"Serve Go's net/http/pprof on this address, for profiling (no authentication: never expose it); empty disables."`
 
 	IDColumn            string `name:"id-column" env:"JETBOX_ID_COLUMN" default:"${default_id_column}" help:"Row id column (uuid or text): Nats-Msg-Id."`
@@ -134,11 +135,14 @@ type Config struct {
 	NatsListen, NatsStoreDir string
 	HTTPAddr                 string
 	MaxOutage                time.Duration
-	Replication              replication.Config
-	Sink                     sink.Config
-	LogLevel                 zerolog.Level
-	LogConsole               bool
-	Metrics                  *metrics.Metrics // set by run
+	// FinalScrapeWait: after a stop on an invalid row, serve /metrics until
+	// it is scraped once more, at most this long (--final-scrape-wait).
+	FinalScrapeWait time.Duration
+	Replication     replication.Config
+	Sink            sink.Config
+	LogLevel        zerolog.Level
+	LogConsole      bool
+	Metrics         *metrics.Metrics // set by run
 }
 
 // NATSAuth is how jetbox authenticates to NATS and verifies it.
@@ -357,6 +361,7 @@ func (f *RunFlags) Config() (Config, error) {
 		bad("heartbeat-interval", f.Heartbeat, "shorter than 1s", "use 0 (off) or e.g. 10s")
 	}
 	c.MaxOutage = dur("max-outage", f.MaxOutage, 0, 0)
+	c.FinalScrapeWait = dur("final-scrape-wait", f.FinalScrape, 0, 10*time.Minute)
 	spec, dupWindow := f.streamSpec(bad, dur, publishTimeout, c.MaxOutage)
 	monitorInterval := dur("monitor-interval", f.MonitorInterval, 100*time.Millisecond, time.Hour)
 	maxRetained, err := parseBytes(f.MaxRetainedWAL)
