@@ -196,6 +196,18 @@ func (e *InvalidEventError) Error() string {
 // DeadLetterable reports whether a dead letter may replace the row.
 func (e *InvalidEventError) DeadLetterable() bool { return e.Code != ReasonTableChanged }
 
+// Reasons returns every reason a row cannot be published, in the order
+// above; all but ReasonTableChanged can be dead-lettered.
+func Reasons() []string {
+	return []string{ReasonBadID, ReasonNullColumn, ReasonBadAggregateID, ReasonBadSubject, ReasonBadEnvelope, ReasonNullPayload,
+		ReasonBadPayload, ReasonBadHeaders, ReasonTooLarge, ReasonDuplicateID, ReasonTableChanged}
+}
+
+// IgnoredReasons returns every reason a logical decoding message publishes nothing.
+func IgnoredReasons() []string {
+	return []string{IgnoredHeartbeat, IgnoredNonTransactional, IgnoredOtherPrefix}
+}
+
 func invalid(code, col, reason, hint string) *InvalidEventError {
 	return &InvalidEventError{Code: code, Column: col, Reason: reason, Hint: hint}
 }

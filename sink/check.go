@@ -31,8 +31,17 @@ func (p *Publisher) Check(ctx context.Context, maxOutage time.Duration) []check.
 	want := p.cfg.SubjectPrefix + ".>"
 	s, err := p.js.Stream(ctx, p.cfg.Stream)
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
-		l.Add(check.Create, "nats.stream", fmt.Sprintf("stream %q is missing: jetbox run creates it (subjects %q, file storage, duplicate window %s, 1 replica)",
-			p.cfg.Stream, want, p.cfg.DuplicateWindow), "")
+		subjects := []string{want}
+		if dl := p.cfg.DeadLetterSubject + ".>"; p.cfg.DeadLetterSubject != "" {
+			subjects = append(subjects, dl)
+		}
+		sc, why := p.streamConfig(subjects)
+		l.Add(check.Create, "nats.stream", fmt.Sprintf("stream %q is missing: jetbox run creates it with %s (replicas from %s)",
+			p.cfg.Stream, DescribeStream(sc), why), "")
+		if sc.Replicas < 3 {
+			l.Add(check.Warning, "nats.replicas", fmt.Sprintf("the stream would have %d replica(s) (%s): a PubAck is not an fsync, so a power loss of the server can lose acked messages", sc.Replicas, why),
+				"use a JetStream cluster of 3 servers in production (or sync_interval: always on the server)")
+		}
 		if maxOutage > p.cfg.DuplicateWindow && !p.cfg.ExactlyOnce {
 			l.Add(check.Warning, "nats.duplicate_window", fmt.Sprintf("--duplicate-window %s is shorter than --max-outage %s: a replay after a longer outage stores copies", p.cfg.DuplicateWindow, maxOutage),
 				"raise --duplicate-window before the stream is created")
@@ -47,6 +56,10 @@ func (p *Publisher) Check(ctx context.Context, maxOutage time.Duration) []check.
 		return l
 	}
 	cfg := s.CachedInfo().Config
+	l.Add(check.Info, "nats.stream_config", fmt.Sprintf("stream %q has %s", p.cfg.Stream, DescribeStream(cfg)), "")
+	if d := p.Drift(cfg); len(d) > 0 {
+		l.Add(check.Warning, "nats.stream_config", DriftText(p.cfg.Stream, d), p.DriftFix(d))
+	}
 	if !Captures(cfg.Subjects, want) {
 		l.Add(check.Error, "nats.stream", fmt.Sprintf("stream %q has subjects %q, which do not capture %q", p.cfg.Stream, cfg.Subjects, want),
 			fmt.Sprintf("add %q to the stream's subjects, or set --subject-prefix / --stream to match", want))
@@ -81,8 +94,11 @@ func (p *Publisher) Check(ctx context.Context, maxOutage time.Duration) []check.
 		l.Add(check.Warning, "nats.storage", "memory storage: a server restart loses the stream's messages (and their dedup ids)", "use file storage")
 	}
 	if cfg.Replicas < 3 {
-		l.Add(check.Warning, "nats.replicas", fmt.Sprintf("%d replica(s): a PubAck is not an fsync, so a power loss of the server can lose acked messages", max(cfg.Replicas, 1)),
-			"use an R3 stream in production (or sync_interval: always on the server)")
+		fix := "use an R3 stream on a JetStream cluster in production (or sync_interval: always on the server)"
+		if n, _ := p.AutoReplicas(); n > max(cfg.Replicas, 1) {
+			fix = fmt.Sprintf("nats stream edit %s --replicas %d", p.cfg.Stream, n)
+		}
+		l.Add(check.Warning, "nats.replicas", fmt.Sprintf("%d replica(s): a PubAck is not an fsync, so a power loss of the server can lose acked messages", max(cfg.Replicas, 1)), fix)
 	}
 	if p.cfg.ExactlyOnce {
 		p.checkExactlyOnce(ctx, &l, s, maxOutage)

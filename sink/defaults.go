@@ -12,10 +12,6 @@ const (
 	// (Config.MaxPending). It is also --max-in-flight's default, the window
 	// of the replication loop's tracker, which the sink's follows.
 	DefaultMaxPending = 1024
-	// DefaultDuplicateWindow is the duplicate window of a stream jetbox
-	// creates (Config.DuplicateWindow, --duplicate-window): JetStream's own
-	// default.
-	DefaultDuplicateWindow = 2 * time.Minute
 	// DefaultMaxControlLine is nats-server's default max_control_line
 	// (MAX_CONTROL_LINE_SIZE, 4 KiB; Config.MaxControlLine,
 	// --nats-max-control-line). The server does not send its value in INFO,

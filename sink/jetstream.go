@@ -52,9 +52,12 @@ type Config struct {
 	// aggregate would flood a trace backend.
 	SubjectsHoldIDs bool
 	DuplicateWindow time.Duration // for a stream jetbox creates
-	PublishTimeout  time.Duration // how long to wait for one PubAck
-	MaxPending      int           // async publishes in flight (the tracker's window)
-	OrderGuard      bool          // set Nats-Expected-Last-Sequence (see package doc)
+	// StreamSpec: replicas, limits, storage and discard of a stream jetbox
+	// creates, and which of them were given (compared with an existing one).
+	StreamSpec     StreamSpec
+	PublishTimeout time.Duration // how long to wait for one PubAck
+	MaxPending     int           // async publishes in flight (the tracker's window)
+	OrderGuard     bool          // set Nats-Expected-Last-Sequence (see package doc)
 	// MaxControlLine is the server's max_control_line (see SubjectLimit);
 	// 0: DefaultMaxControlLine.
 	MaxControlLine int

@@ -44,9 +44,11 @@ func (p *Publisher) record(o outcome, n int) {
 	case outStored:
 		p.stats.published.Add(uint64(n))
 		m.Published.Add(float64(n))
+		m.Acked()
 	case outDuplicate:
 		p.stats.duplicates.Add(uint64(n))
 		m.Duplicates.Add(float64(n))
+		m.Acked()
 	case outFailed:
 		p.stats.errors.Add(uint64(n))
 		m.PublishErrors.Add(float64(n))

@@ -10,10 +10,12 @@ import (
 )
 
 // EnsureStream creates the stream when it is missing (subjects "<prefix>.>",
-// file storage, the configured duplicate window, atomic publish allowed with
+// limits retention, the StreamSpec's replicas, limits, storage and discard,
+// the configured duplicate window, atomic publish allowed with
 // AtomicTransactions) and otherwise checks that the existing stream captures
 // "<prefix>.>" (and allows atomic publish when needed); it never changes an
-// existing stream.
+// existing stream, and logs a warning with the `nats stream edit` line when
+// it differs from the settings given (Drift).
 func (p *Publisher) EnsureStream(ctx context.Context) (*jetstream.StreamInfo, error) {
 	want := p.cfg.SubjectPrefix + ".>"
 	s, err := p.js.Stream(ctx, p.cfg.Stream)
@@ -23,22 +25,21 @@ func (p *Publisher) EnsureStream(ctx context.Context) (*jetstream.StreamInfo, er
 		if dl := p.cfg.DeadLetterSubject + ".>"; p.cfg.DeadLetterSubject != "" && !Captures(subjects, dl) {
 			subjects = append(subjects, dl)
 		}
-		cfg := jetstream.StreamConfig{
-			Name:        p.cfg.Stream,
-			Description: "transactional outbox, written by jetbox",
-			Subjects:    subjects,
-			Storage:     jetstream.FileStorage,
-			Duplicates:  p.cfg.DuplicateWindow,
-			// A server before 2.12 ignores it: checked below.
-			AllowAtomicPublish: p.cfg.AtomicTransactions,
-		}
+		cfg, why := p.streamConfig(subjects)
 		s, err = p.js.CreateStream(ctx, cfg)
 		if err != nil {
-			return nil, fmt.Errorf("create stream %q with subjects %q: %w", p.cfg.Stream, want, err)
+			return nil, fmt.Errorf("create stream %q with subjects %q: %w", p.cfg.Stream, want, p.createError(err, cfg, why))
 		}
-		p.log.Info().Strs("subjects", subjects).Dur("duplicate_window", p.cfg.DuplicateWindow).Bool("allow_atomic", p.cfg.AtomicTransactions).Msg("created stream")
+		p.log.Info().Strs("subjects", subjects).Int("replicas", cfg.Replicas).Str("replicas_from", why).
+			Dur("max_age", cfg.MaxAge).Int64("max_bytes", cfg.MaxBytes).Int64("max_msgs", cfg.MaxMsgs).
+			Str("storage", StorageText(cfg.Storage)).Str("discard", DiscardText(cfg.Discard)).
+			Dur("duplicate_window", cfg.Duplicates).Bool("allow_atomic", p.cfg.AtomicTransactions).Msg("created stream")
 	case err != nil:
 		return nil, fmt.Errorf("look up stream %q: %w", p.cfg.Stream, err)
+	default:
+		if d := p.Drift(s.CachedInfo().Config); len(d) > 0 {
+			p.log.Warn().Str("fix", p.DriftFix(d)).Msg(DriftText(p.cfg.Stream, d))
+		}
 	}
 	info := s.CachedInfo()
 	if !Captures(info.Config.Subjects, want) {

@@ -17,6 +17,7 @@ import (
 	"github.com/jetbox-dev/jetbox/replication"
 	"github.com/jetbox-dev/jetbox/sink"
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/rs/zerolog"
 )
 
@@ -37,7 +38,6 @@ var flagVars = map[string]string{
 	"default_event_type_column":     decoder.DefaultColumns.EventType,
 	"default_payload_column":        decoder.DefaultColumns.Payload,
 	"default_headers_column":        decoder.DefaultColumns.Headers,
-	"default_duplicate_window":      durationText(sink.DefaultDuplicateWindow),
 	"default_max_in_flight":         strconv.Itoa(sink.DefaultMaxPending),
 	"default_publish_timeout":       durationText(sink.DefaultPublishTimeout),
 	"default_nats_max_control_line": strconv.Itoa(sink.DefaultMaxControlLine),
@@ -88,6 +88,7 @@ type RunFlags struct {
 	SubjectTemplate string `name:"subject-template" env:"JETBOX_SUBJECT_TEMPLATE" default:"{prefix}.{aggregate_type}.{event_type}" help:"Subject of each event: {prefix} first, then tokens made of literals and {aggregate_type}, {aggregate_id}, {event_type}, {partition} (see docs/routing.md)."`
 	Partitions      string `name:"partitions" env:"JETBOX_PARTITIONS" default:"0" help:"N for {partition}: FNV-1a 32 of aggregate_id modulo N (the same as a stream transform's partition()); 0: none. {partition} needs 1 or more."`
 	HTTPAddr        string `name:"http-addr" env:"JETBOX_HTTP_ADDR" default:"127.0.0.1:8080" help:"Address for /metrics, /healthz and /readyz; empty disables."`
+	FinalScrape     string `name:"final-scrape-wait" env:"JETBOX_FINAL_SCRAPE_WAIT" default:"1m" help:"After stopping on an invalid row (--on-invalid=stop), keep serving /metrics until it is scraped once more, at most this long, so that jetbox_invalid_rows_total{action=\"stop\"} reaches Prometheus (a restart would stop on the same row); 0: exit at once."`
 	PprofAddr       string `name:"pprof-addr" env:"JETBOX_PPROF_ADDR" help:"Serve Go's net/http/pprof on this address, for profiling (no authentication: never expose it); empty disables."`
 
 	IDColumn            string `name:"id-column" env:"JETBOX_ID_COLUMN" default:"${default_id_column}" help:"Row id column (uuid or text): Nats-Msg-Id."`
@@ -97,7 +98,13 @@ type RunFlags struct {
 	PayloadColumn       string `name:"payload-column" env:"JETBOX_PAYLOAD_COLUMN" default:"${default_payload_column}" help:"Payload column (jsonb, json, text or bytea)."`
 	HeadersColumn       string `name:"headers-column" env:"JETBOX_HEADERS_COLUMN" default:"${default_headers_column}" help:"Headers column (jsonb object of strings); empty to ignore."`
 
-	DuplicateWindow  string `name:"duplicate-window" env:"JETBOX_DUPLICATE_WINDOW" default:"${default_duplicate_window}" help:"Duplicate window of a stream jetbox creates."`
+	DuplicateWindow  string `name:"duplicate-window" env:"JETBOX_DUPLICATE_WINDOW" help:"Duplicate window of a stream jetbox creates. Default (empty or auto): 2 x --publish-timeout (jetbox's own retries) with --delivery=exactly-once, which skips replays by position; --max-outage with --delivery=dedup. An existing stream with another window is reported, not changed." placeholder:"DURATION"`
+	StreamReplicas   string `name:"stream-replicas" env:"JETBOX_STREAM_REPLICAS" help:"Replicas of a stream jetbox creates, 1-5. Default (empty or auto): 3 on a JetStream cluster (fewer if it advertises fewer servers), 1 on a single server." placeholder:"N"`
+	StreamMaxAge     string `name:"stream-max-age" env:"JETBOX_STREAM_MAX_AGE" help:"Max age of a stream jetbox creates; default 0: none (exactly-once resumes from the stream's last message, which a max age expires after a quiet spell: it must exceed --max-outage)." placeholder:"DURATION"`
+	StreamMaxBytes   string `name:"stream-max-bytes" env:"JETBOX_STREAM_MAX_BYTES" help:"Byte limit of a stream jetbox creates (e.g. 50GiB); default -1: none, the account's JetStream limits apply." placeholder:"SIZE"`
+	StreamMaxMsgs    string `name:"stream-max-msgs" env:"JETBOX_STREAM_MAX_MSGS" help:"Message limit of a stream jetbox creates; default -1: none." placeholder:"N"`
+	StreamStorage    string `name:"stream-storage" env:"JETBOX_STREAM_STORAGE" help:"Storage of a stream jetbox creates: file (the default) or memory (a restart of the server loses the messages)." placeholder:"file|memory"`
+	StreamDiscard    string `name:"stream-discard" env:"JETBOX_STREAM_DISCARD" help:"At a limit, a stream jetbox creates discards old messages (old, the default: consumers that lag behind the limit miss them) or refuses new ones (new: jetbox stops publishing and the slot retains WAL until there is room)." placeholder:"old|new"`
 	MaxInFlight      string `name:"max-in-flight" env:"JETBOX_MAX_IN_FLIGHT" default:"${default_max_in_flight}" help:"Events published and not yet acked."`
 	MaxInFlightBytes string `name:"max-in-flight-bytes" env:"JETBOX_MAX_IN_FLIGHT_BYTES" default:"8MiB" help:"Payload bytes published and not yet acked (with the soft memory limit, see GOMEMLIMIT in docs/configuration.md, this bounds the memory)."`
 	PublishTimeout   string `name:"publish-timeout" env:"JETBOX_PUBLISH_TIMEOUT" default:"${default_publish_timeout}" help:"Wait for one PubAck before the outcome counts as unknown."`
@@ -128,11 +135,14 @@ type Config struct {
 	NatsListen, NatsStoreDir string
 	HTTPAddr                 string
 	MaxOutage                time.Duration
-	Replication              replication.Config
-	Sink                     sink.Config
-	LogLevel                 zerolog.Level
-	LogConsole               bool
-	Metrics                  *metrics.Metrics // set by run
+	// FinalScrapeWait: after a stop on an invalid row, serve /metrics until
+	// it is scraped once more, at most this long (--final-scrape-wait).
+	FinalScrapeWait time.Duration
+	Replication     replication.Config
+	Sink            sink.Config
+	LogLevel        zerolog.Level
+	LogConsole      bool
+	Metrics         *metrics.Metrics // set by run
 }
 
 // NATSAuth is how jetbox authenticates to NATS and verifies it.
@@ -337,7 +347,6 @@ func (f *RunFlags) Config() (Config, error) {
 		seen[fc.col] = fc.flag
 	}
 
-	dupWindow := dur("duplicate-window", f.DuplicateWindow, time.Second, 0)
 	// Below the 2-minute bound jetbox waits for a session's acks before republishing.
 	publishTimeout := dur("publish-timeout", f.PublishTimeout, 100*time.Millisecond, 90*time.Second)
 	statusInterval := dur("status-interval", f.StatusInterval, 10*time.Millisecond, 10*time.Second)
@@ -349,6 +358,8 @@ func (f *RunFlags) Config() (Config, error) {
 		bad("heartbeat-interval", f.Heartbeat, "shorter than 1s", "use 0 (off) or e.g. 10s")
 	}
 	c.MaxOutage = dur("max-outage", f.MaxOutage, 0, 0)
+	c.FinalScrapeWait = dur("final-scrape-wait", f.FinalScrape, 0, 10*time.Minute)
+	spec, dupWindow := f.streamSpec(bad, dur, publishTimeout, c.MaxOutage)
 	monitorInterval := dur("monitor-interval", f.MonitorInterval, 100*time.Millisecond, time.Hour)
 	maxRetained, err := parseBytes(f.MaxRetainedWAL)
 	if err != nil {
@@ -442,7 +453,7 @@ func (f *RunFlags) Config() (Config, error) {
 		MonitorInterval:   monitorInterval,
 		AcceptLostRows:    acceptLost,
 	}
-	c.Sink = sink.Config{Stream: f.Stream, SubjectPrefix: f.SubjectPrefix, DuplicateWindow: dupWindow,
+	c.Sink = sink.Config{Stream: f.Stream, SubjectPrefix: f.SubjectPrefix, DuplicateWindow: dupWindow, StreamSpec: spec,
 		PublishTimeout: publishTimeout, MaxPending: maxInFlight, MaxControlLine: maxCtlLine, OrderGuard: orderGuard, ExactlyOnce: f.Delivery == "exactly-once", DeadLetterSubject: deadLetter,
 		AtomicTransactions: atomicTx, SubjectFilter: filter, SubjectsHoldIDs: subjects != nil && subjects.UsesAggregateID(),
 		IndexScheme: c.Replication.Decoder.IndexScheme()}
@@ -450,24 +461,108 @@ func (f *RunFlags) Config() (Config, error) {
 	return c, nil
 }
 
+// streamSpec reads the --stream-* flags and --duplicate-window: what a
+// stream jetbox creates gets, and which settings were given (compared with
+// an existing stream). Empty, or auto where there is a choice, is the default.
+func (f *RunFlags) streamSpec(bad func(flag, value, problem, fix string), dur func(flag, v string, min, max time.Duration) time.Duration,
+	publishTimeout, maxOutage time.Duration) (sink.StreamSpec, time.Duration) {
+	sp := sink.StreamSpec{Given: map[string]bool{}, MaxBytes: -1, MaxMsgs: -1}
+	given := func(key, v string) bool {
+		if v == "" || v == "auto" {
+			return false
+		}
+		sp.Given[key] = true
+		return true
+	}
+	if given("replicas", f.StreamReplicas) {
+		n, err := strconv.Atoi(f.StreamReplicas)
+		if err != nil || n < 1 || n > 5 {
+			bad("stream-replicas", f.StreamReplicas, "not a replica count between 1 and 5", "use auto (3 on a cluster, 1 on a single server), 1 or 3")
+		}
+		sp.Replicas = n
+	}
+	if given("max-age", f.StreamMaxAge) {
+		sp.MaxAge = dur("stream-max-age", f.StreamMaxAge, 0, 0)
+		if sp.MaxAge > 0 && sp.MaxAge < time.Second {
+			bad("stream-max-age", f.StreamMaxAge, "shorter than 1s", "use 0 (no max age) or e.g. 168h")
+		} else if sp.MaxAge > 0 && f.Delivery != "dedup" && sp.MaxAge < maxOutage {
+			bad("stream-max-age", f.StreamMaxAge, fmt.Sprintf("shorter than --max-outage %s: exactly-once resumes from the stream's last message, which this max age expires during such an outage", maxOutage),
+				"drop --stream-max-age (no max age), keep it far above --max-outage, or add --delivery=dedup")
+		}
+	}
+	count := func(flag, key, v string, size bool) int64 {
+		if !given(key, v) {
+			return -1
+		}
+		if v == "-1" || v == "0" {
+			return -1
+		}
+		if size {
+			n, err := parseBytes(v)
+			if err != nil || n < 1024 {
+				bad(flag, v, "not a size of at least 1KiB", "use e.g. 50GiB, or -1 for no limit")
+			}
+			return int64(n)
+		}
+		n, err := strconv.ParseInt(v, 10, 64)
+		if err != nil || n < 1 {
+			bad(flag, v, "not a message count", "use e.g. 10000000, or -1 for no limit")
+		}
+		return n
+	}
+	sp.MaxBytes = count("stream-max-bytes", "max-bytes", f.StreamMaxBytes, true)
+	sp.MaxMsgs = count("stream-max-msgs", "max-msgs", f.StreamMaxMsgs, false)
+	if given("storage", f.StreamStorage) {
+		switch f.StreamStorage {
+		case "file":
+		case "memory":
+			sp.Storage = jetstream.MemoryStorage
+		default:
+			bad("stream-storage", f.StreamStorage, "unknown storage", "use file or memory")
+		}
+	}
+	if given("discard", f.StreamDiscard) {
+		switch f.StreamDiscard {
+		case "old":
+		case "new":
+			sp.Discard = jetstream.DiscardNew
+		default:
+			bad("stream-discard", f.StreamDiscard, "unknown discard policy", "use old or new")
+		}
+	}
+	var window time.Duration
+	if given("duplicate-window", f.DuplicateWindow) {
+		window = dur("duplicate-window", f.DuplicateWindow, time.Second, 0)
+		if sp.MaxAge > 0 && window > sp.MaxAge {
+			bad("duplicate-window", f.DuplicateWindow, fmt.Sprintf("longer than --stream-max-age %s (JetStream refuses it)", sp.MaxAge), "use a window no longer than the max age")
+		}
+	} else {
+		window = sink.DuplicateWindowFor(f.Delivery != "dedup", publishTimeout, maxOutage)
+		if sp.MaxAge > 0 && window > sp.MaxAge {
+			window = sp.MaxAge // as JetStream caps it
+		}
+	}
+	return sp, window
+}
+
 func envName(flag string) string {
 	return "JETBOX_" + strings.ToUpper(strings.ReplaceAll(flag, "-", "_"))
 }
 
-// parseBytes reads sizes such as 1048576, 512KiB, 16MiB or 1GiB.
+// parseBytes reads sizes such as 1048576, 512KiB, 16MiB, 1GiB or 2TiB (up to 1 PiB).
 func parseBytes(s string) (int, error) {
 	mult := 1
 	for _, u := range []struct {
 		suffix string
 		mult   int
-	}{{"KiB", 1 << 10}, {"MiB", 1 << 20}, {"GiB", 1 << 30}, {"B", 1}} {
+	}{{"KiB", 1 << 10}, {"MiB", 1 << 20}, {"GiB", 1 << 30}, {"TiB", 1 << 40}, {"B", 1}} {
 		if strings.HasSuffix(s, u.suffix) {
 			s, mult = strings.TrimSuffix(s, u.suffix), u.mult
 			break
 		}
 	}
 	n, err := strconv.Atoi(strings.TrimSpace(s))
-	if err != nil || n < 0 || n > (1<<40)/mult {
+	if err != nil || n < 0 || n > (1<<50)/mult {
 		return 0, fmt.Errorf("invalid size %q", s)
 	}
 	return n * mult, nil

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -23,6 +24,9 @@ type opsServer struct {
 	ln       net.Listener
 	streamer atomic.Pointer[replication.Streamer]
 	nats     atomic.Pointer[sink.Publisher] // /healthz fails once its connection is CLOSED
+
+	scrapeMu sync.Mutex
+	scraped  chan struct{} // closed by the next /metrics response (awaitScrape)
 }
 
 // readiness is the /readyz body.
@@ -47,7 +51,19 @@ func startOps(addr string, m *metrics.Metrics, log zerolog.Logger) (*opsServer, 
 	}
 	o := &opsServer{ln: ln}
 	mux := http.NewServeMux()
-	mux.Handle("GET /metrics", promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{}))
+	metricsHandler := promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{})
+	o.scraped = make(chan struct{})
+	mux.HandleFunc("GET /metrics", func(w http.ResponseWriter, r *http.Request) {
+		o.scrapeMu.Lock() // a scrape begun before awaitScrape may not count
+		done := o.scraped
+		metricsHandler.ServeHTTP(w, r)
+		o.scrapeMu.Unlock()
+		select {
+		case <-done:
+		default:
+			close(done)
+		}
+	})
 	mux.HandleFunc("GET /healthz", o.health)
 	mux.HandleFunc("GET /readyz", o.ready)
 	o.srv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
@@ -92,6 +108,29 @@ func (o *opsServer) ready(w http.ResponseWriter, _ *http.Request) {
 		w.WriteHeader(http.StatusServiceUnavailable)
 	}
 	_ = json.NewEncoder(w).Encode(r)
+}
+
+// awaitScrape returns once /metrics has been served with what the metrics
+// hold now (a response begun after the call), or after wait, or when ctx
+// ends. jetbox stopping on an invalid row waits so, else its last counts
+// would leave with the process, never scraped.
+func (o *opsServer) awaitScrape(ctx context.Context, wait time.Duration) bool {
+	if o == nil || wait <= 0 {
+		return false
+	}
+	o.scrapeMu.Lock()
+	o.scraped = make(chan struct{})
+	next := o.scraped
+	o.scrapeMu.Unlock()
+	t := time.NewTimer(wait)
+	defer t.Stop()
+	select {
+	case <-next:
+		return true
+	case <-t.C:
+	case <-ctx.Done():
+	}
+	return false
 }
 
 func (o *opsServer) close() {

@@ -26,6 +26,7 @@ import (
 	"github.com/prometheus/prometheus/tsdb/chunkenc"
 	"github.com/prometheus/prometheus/tsdb/chunks"
 	"github.com/prometheus/prometheus/util/annotations"
+	"go.yaml.in/yaml/v3"
 )
 
 // series is what jetbox exports: every series name a query may select, with
@@ -184,30 +185,35 @@ func parseRules(t *testing.T, where string, content []byte, known series) *rulef
 	return rgs
 }
 
-// TestAlertRules: deploy/prometheus/alerts.yaml parses as Prometheus rules,
-// covers the alerts docs/operations.md lists, and names only series jetbox
-// exports.
+// TestAlertRules: the rule files of deploy/prometheus parse as Prometheus
+// rules, name only series jetbox (or, for the database rules, the exporter)
+// exports, carry a severity, a summary and a runbook_url that is a section
+// of docs/operations.md, and cover the alerts docs/operations.md lists.
 func TestAlertRules(t *testing.T) {
-	known := exportedSeries(t)
-	b, err := os.ReadFile(filepath.Join(repoRoot, "deploy/prometheus/alerts.yaml"))
-	must(t, err)
-	rgs := parseRules(t, "alerts.yaml", b, known)
+	known := withExporterSeries(exportedSeries(t))
 	var alerts []string
-	for _, g := range rgs.Groups {
-		for _, r := range g.Rules {
-			if r.Alert == "" {
-				continue
-			}
-			alerts = append(alerts, r.Alert)
-			if r.Labels["severity"] == "" || r.Annotations["summary"] == "" {
-				t.Errorf("%s: no severity label or summary", r.Alert)
+	for _, rf := range ruleFiles {
+		b, err := os.ReadFile(filepath.Join(repoRoot, "deploy/prometheus", rf.file))
+		must(t, err)
+		rgs := parseRules(t, rf.file, b, known)
+		checkRunbooks(t, rf.file, b)
+		for _, g := range rgs.Groups {
+			for _, r := range g.Rules {
+				if r.Alert == "" {
+					continue
+				}
+				if !slices.Contains(alerts, r.Alert) {
+					alerts = append(alerts, r.Alert)
+				}
+				if r.Labels["severity"] == "" || r.Annotations["summary"] == "" {
+					t.Errorf("%s: %s: no severity label or summary", rf.file, r.Alert)
+				}
 			}
 		}
 	}
-	for _, want := range []string{"JetboxDown", "JetboxAllDown", "JetboxStalled", "JetboxRetainedWAL", "JetboxStandbyWithoutActive",
-		"JetboxInvalidRows", "JetboxPublishFailing", "JetboxNotStreaming"} {
+	for _, want := range append(slices.Clone(jetboxRules), databaseRules...) {
 		if !slices.Contains(alerts, want) {
-			t.Errorf("alerts.yaml lacks %s", want)
+			t.Errorf("deploy/prometheus lacks %s", want)
 		}
 	}
 	ops, err := os.ReadFile(filepath.Join(repoRoot, "docs/operations.md"))
@@ -353,7 +359,27 @@ var alertScenarios = []struct {
 		jetbox_publish_errors_total{job="jetbox", instance="b"} 0x30
 		jetbox_slot_retained_wal_over_threshold{job="jetbox", instance="a"} 0x30
 		jetbox_reconnects_total{job="jetbox", instance="a", side="nats"} 0+0.2x30
+		jetbox_seconds_since_last_ack{job="jetbox", instance="a"} 2x30
+		jetbox_seconds_since_last_ack{job="jetbox", instance="b"} 0+60x30
 	`, nil},
+	{"nothing acked for 20 minutes while behind", `
+		up{job="jetbox", instance="a"} 1x30
+		STATE a streaming
+		jetbox_replication_lag_bytes{job="jetbox", instance="a"} 20e6x30
+		jetbox_events_published_total{job="jetbox", instance="a"} 0+100x10 1000x20
+		jetbox_events_duplicate_total{job="jetbox", instance="a"} 0x30
+		jetbox_seconds_since_last_ack{job="jetbox", instance="a"} 1x10 120+60x19
+	`, []string{"JetboxNoRecentAck"}},
+	{"jetbox down, seen from CloudNativePG", `
+		cnpg_pg_replication_slots_pg_wal_lsn_diff{namespace="db", pod="pg-1", slot_name="jetbox", slot_type="logical", database="app"} 1e6x10 1e8+1e8x20
+		cnpg_pg_replication_slots_active{namespace="db", pod="pg-1", slot_name="jetbox", slot_type="logical", database="app"} 1x10 0x20
+		cnpg_pg_replication_slots_pg_wal_lsn_diff{namespace="db", pod="pg-1", slot_name="other", slot_type="logical", database="app"} 5e9x30
+	`, []string{"JetboxAllDown", "JetboxSlotInactive", "JetboxSlotRetainedWAL"}},
+	{"jetbox down, seen from postgres_exporter", `
+		pg_replication_slot_safe_wal_size_bytes{slot_name="jetbox", slot_type="logical"} 5e9-2e8x30
+		pg_replication_slot_slot_is_active{slot_name="jetbox", slot_type="logical"} 0x30
+		pg_replication_slot_slot_is_active{slot_name="other", slot_type="logical"} 0x30
+	`, []string{"JetboxAllDown", "JetboxSlotInactive", "JetboxSlotRetainedWAL"}},
 	{"stalled: lag grows, nothing acked", `
 		up{job="jetbox", instance="a"} 1x30
 		up{job="jetbox", instance="b"} 1x30
@@ -389,7 +415,7 @@ var alertScenarios = []struct {
 	{"an invalid row dead-lettered", `
 		up{job="jetbox", instance="a"} 1x30
 		STATE a streaming
-		jetbox_invalid_rows_total{job="jetbox", instance="a", reason="payload", action="dead-letter"} 0x25 1x5
+		jetbox_invalid_rows_total{job="jetbox", instance="a", reason="null-payload", action="dead-letter"} 0x25 1x5
 	`, []string{"JetboxInvalidRows"}},
 	{"one of two down", `
 		up{job="jetbox", instance="a"} 1x30
@@ -426,15 +452,34 @@ var alertScenarios = []struct {
 	`, []string{"JetboxReconnecting"}},
 }
 
-// TestAlertRulesFire evaluates deploy/prometheus/alerts.yaml with
+// mergeRuleFiles is every rule file of deploy/prometheus as one, a group
+// per file.
+func mergeRuleFiles(t *testing.T) []byte {
+	var groups []map[string]any
+	for _, rf := range ruleFiles {
+		b, err := os.ReadFile(filepath.Join(repoRoot, "deploy/prometheus", rf.file))
+		must(t, err)
+		var f struct {
+			Groups []map[string]any `yaml:"groups"`
+		}
+		must(t, yaml.Unmarshal(b, &f))
+		for _, g := range f.Groups {
+			g["name"] = rf.file + ": " + g["name"].(string)
+			groups = append(groups, g)
+		}
+	}
+	out, err := yaml.Marshal(map[string]any{"groups": groups})
+	must(t, err)
+	return out
+}
+
+// TestAlertRulesFire evaluates the rule files of deploy/prometheus with
 // Prometheus' own engine over the histories above: an alert fires at the
 // end when its expression holds at every evaluation (each minute) over its
 // `for`. Each scenario fires exactly the alerts it names, so every alert both
 // fires when it should and stays quiet in a healthy deployment.
 func TestAlertRulesFire(t *testing.T) {
-	b, err := os.ReadFile(filepath.Join(repoRoot, "deploy/prometheus/alerts.yaml"))
-	must(t, err)
-	rgs := parseRules(t, "alerts.yaml", b, exportedSeries(t))
+	rgs := parseRules(t, "deploy/prometheus", mergeRuleFiles(t), withExporterSeries(exportedSeries(t)))
 	engine := promql.NewEngine(promql.EngineOpts{MaxSamples: 1e6, Timeout: time.Minute, LookbackDelta: 5 * time.Minute,
 		Parser: parser.NewParser(parser.Options{})})
 	t.Cleanup(func() { engine.Close() })
@@ -464,7 +509,7 @@ func TestAlertRulesFire(t *testing.T) {
 					}
 					if holds {
 						got = append(got, r.Alert)
-						fired[r.Alert] = true
+						fired[g.Name+": "+r.Alert] = true
 					}
 				}
 			}
@@ -478,8 +523,8 @@ func TestAlertRulesFire(t *testing.T) {
 	}
 	for _, g := range rgs.Groups {
 		for _, r := range g.Rules {
-			if r.Alert != "" && !fired[r.Alert] {
-				t.Errorf("no scenario makes %s fire", r.Alert)
+			if r.Alert != "" && !fired[g.Name+": "+r.Alert] {
+				t.Errorf("no scenario makes %s (%s) fire", r.Alert, g.Name)
 			}
 		}
 	}
@@ -520,6 +565,11 @@ func loadSeries(t *testing.T, text string) storage.Queryable {
 		}
 		all = append(all, storage.NewListSeries(lbls, samples))
 	}
+	return queryableOf(all)
+}
+
+// queryableOf serves series to the PromQL engine.
+func queryableOf(all []storage.Series) storage.Queryable {
 	return &storage.MockQueryable{MockQuerier: &storage.MockQuerier{SelectMockFunction: func(_ bool, _ *storage.SelectHints, ms ...*labels.Matcher) storage.SeriesSet {
 		var out []storage.Series
 		for _, s := range all {

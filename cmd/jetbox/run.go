@@ -61,6 +61,20 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 	}
 	start.Msg("starting")
 	cfg.Metrics = metrics.New()
+	cfg.Metrics.SetBuild(buildVersion())
+	var deadLetter []string
+	if cfg.Replication.Decoder.DeadLetterSubject != "" {
+		for _, r := range decoder.Reasons() {
+			if (&decoder.InvalidEventError{Code: r}).DeadLetterable() {
+				deadLetter = append(deadLetter, r)
+			}
+		}
+	}
+	var ignored []string
+	if cfg.Replication.Decoder.MessagePrefix != "" || cfg.Replication.HeartbeatInterval > 0 {
+		ignored = decoder.IgnoredReasons()
+	}
+	cfg.Metrics.InitLabels(decoder.Reasons(), deadLetter, ignored)
 	cfg.Replication.Metrics, cfg.Sink.Metrics = cfg.Metrics, cfg.Metrics
 	ops, err := startOps(cfg.HTTPAddr, cfg.Metrics, log)
 	if err != nil {
@@ -170,6 +184,14 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "jetbox:", err)
 		if next != "" {
 			fmt.Fprintln(stderr, "jetbox:", next)
+		}
+		var ie *decoder.InvalidEventError
+		if errors.As(err, &ie) && ops != nil && cfg.FinalScrapeWait > 0 {
+			// A restart stops on the same row: nothing is lost by staying
+			// until Prometheus has the count (JetboxInvalidRows).
+			log.Info().Dur("final_scrape_wait", cfg.FinalScrapeWait).Msg("waiting for a scrape of /metrics before exiting")
+			scraped := ops.awaitScrape(ctx, cfg.FinalScrapeWait)
+			log.Info().Bool("scraped", scraped).Msg("exiting")
 		}
 		return exitFailure
 	}

@@ -4,6 +4,10 @@
 package metrics
 
 import (
+	"runtime"
+	"sync/atomic"
+	"time"
+
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 )
@@ -46,13 +50,25 @@ type Metrics struct {
 	// IgnoredMessages counts logical decoding messages that published
 	// nothing, per reason (decoder.Ignored*).
 	IgnoredMessages *prometheus.CounterVec
+	// BuildInfo is jetbox_build_info{version,revision,goversion} 1 (SetBuild).
+	BuildInfo *prometheus.GaugeVec
+
+	started time.Time
+	lastAck atomic.Int64 // unix nanoseconds of the last acked event; 0: none yet
 }
+
+// Actions of jetbox_invalid_rows_total.
+const (
+	ActionStop       = "stop"
+	ActionDeadLetter = "dead-letter"
+)
 
 // New registers jetbox's metrics (and the Go and process collectors) on a new registry.
 func New() *Metrics {
 	r := prometheus.NewRegistry()
 	m := &Metrics{
 		Registry:      r,
+		started:       time.Now(),
 		Published:     prometheus.NewCounter(prometheus.CounterOpts{Name: "jetbox_events_published_total", Help: "Events stored by JetStream (new messages)."}),
 		Duplicates:    prometheus.NewCounter(prometheus.CounterOpts{Name: "jetbox_events_duplicate_total", Help: "Events acked as Duplicate: already in the stream (replays), counted as success."}),
 		PublishErrors: prometheus.NewCounter(prometheus.CounterOpts{Name: "jetbox_publish_errors_total", Help: "Publishes that failed or whose outcome is unknown; each is republished."}),
@@ -76,16 +92,56 @@ func New() *Metrics {
 			Help: "Trace spans not exported, per reason: queue_full (the export queue was full: publishing never waits for it) or export_failed."}, []string{"reason"}),
 		IgnoredMessages: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "jetbox_messages_ignored_total",
 			Help: "Logical decoding messages that published nothing, per reason: heartbeat, other-prefix, non-transactional (the outbox prefix emitted with transactional=false: a producer bug)."}, []string{"reason"}),
+		BuildInfo: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "jetbox_build_info",
+			Help: "Always 1: the version and VCS revision jetbox was built from, and the Go version."}, []string{"version", "revision", "goversion"}),
 	}
+	sinceAck := prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "jetbox_seconds_since_last_ack",
+		Help: "Seconds since JetStream last acked an event of this process (stored or duplicate); since the process started while none was. Grows while the outbox is idle: alert on it together with the lag."},
+		m.SecondsSinceLastAck)
 	r.MustRegister(m.Published, m.Duplicates, m.PublishErrors, m.Retries, m.InFlight, m.ConfirmedLSN, m.ServerLSN,
 		m.LagBytes, m.RetainedWAL, m.RetainedOver, m.Latency, m.Transactions, m.Reconnects, m.Heartbeats, m.State, m.InvalidRows, m.SpansDropped, m.IgnoredMessages,
-		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+		m.BuildInfo, sinceAck, collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.Reconnects.WithLabelValues("postgres")
 	m.Reconnects.WithLabelValues("nats")
 	m.SpansDropped.WithLabelValues("queue_full")
 	m.SpansDropped.WithLabelValues("export_failed")
 	m.SetState(StateStarting)
 	return m
+}
+
+// SetBuild sets jetbox_build_info to 1 for version and revision.
+func (m *Metrics) SetBuild(version, revision string) {
+	m.BuildInfo.Reset()
+	m.BuildInfo.WithLabelValues(version, revision, runtime.Version()).Set(1)
+}
+
+// InitLabels creates the series of every known label set at 0, so that the
+// first increment is an increase Prometheus can see (a counter that is
+// born at 1 never shows one): jetbox_invalid_rows_total for each reason
+// with action stop, and with dead-letter for the reasons in deadLetter;
+// jetbox_messages_ignored_total for each reason in ignored.
+func (m *Metrics) InitLabels(reasons, deadLetter, ignored []string) {
+	for _, r := range reasons {
+		m.InvalidRows.WithLabelValues(r, ActionStop)
+	}
+	for _, r := range deadLetter {
+		m.InvalidRows.WithLabelValues(r, ActionDeadLetter)
+	}
+	for _, r := range ignored {
+		m.IgnoredMessages.WithLabelValues(r)
+	}
+}
+
+// Acked records that JetStream acked events now (jetbox_seconds_since_last_ack).
+func (m *Metrics) Acked() { m.lastAck.Store(time.Now().UnixNano()) }
+
+// SecondsSinceLastAck is the value of jetbox_seconds_since_last_ack.
+func (m *Metrics) SecondsSinceLastAck() float64 {
+	since := m.started
+	if n := m.lastAck.Load(); n != 0 {
+		since = time.Unix(0, n)
+	}
+	return time.Since(since).Seconds()
 }
 
 // SetState makes state the only one with value 1.
