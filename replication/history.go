@@ -244,7 +244,7 @@ func checkHistory(ctx context.Context, conn *pgconn.PgConn, cfg Config, ts TipSo
 	}
 	err = withSource(verify(ctx, tip, ok, srv, cfg.Slot), cfg)
 	var he *HistoryError
-	if errors.As(err, &he) && cfg.AcceptLostRows {
+	if errors.As(err, &he) && acceptable(he, cfg) {
 		log.Warn().Str("case", he.Case).Str("after_commit_time", tip.CommitTime).Str("after_lsn", tip.CommitLSN.String()).
 			Str("detail", he.Detail).Msg("--accept-lost-rows: going on; rows committed after this point may be missing from the stream (jetbox repair re-publishes them from the table)")
 		from := tip.CommitLSN + 1 // a new slot replays none of it
@@ -321,11 +321,19 @@ func VerifyHistory(ctx context.Context, connString string, cfg Config, ts TipSou
 	}
 	err = withSource(peekReplay(ctx, connString, cfg, newTipReplay(tip, start)), cfg)
 	var he *HistoryError
-	if errors.As(err, &he) && cfg.AcceptLostRows {
+	if errors.As(err, &he) && acceptable(he, cfg) {
 		log.Warn().Str("case", he.Case).Str("after_commit_time", tip.CommitTime).Str("after_lsn", tip.CommitLSN.String()).
 			Str("detail", he.Detail).Msg("--accept-lost-rows: going on; rows committed after this point may be missing from the stream (jetbox repair re-publishes them from the table)")
 		ts.Forget(tip, start)
 		return StreamTip{}, false, nil
 	}
 	return tip, ok, err
+}
+
+// acceptable reports whether --accept-lost-rows lets jetbox go on past he.
+// Never past an unfinished repair: it is not a loss to accept but rows on
+// their way, and streaming from its slot would store later rows before
+// them and confirm past the rest of its snapshot.
+func acceptable(he *HistoryError, cfg Config) bool {
+	return cfg.AcceptLostRows && he.Case != CaseRepair
 }

@@ -136,3 +136,15 @@ func TestHistoryErrorWayOut(t *testing.T) {
 		t.Fatalf("messages-only outbox: %s", msg)
 	}
 }
+
+func TestAcceptLostRowsNeverPastAnUnfinishedRepair(t *testing.T) {
+	cfg := Config{AcceptLostRows: true}
+	if acceptable(&HistoryError{Case: CaseRepair}, cfg) {
+		t.Fatal("--accept-lost-rows goes on past an unfinished repair")
+	}
+	for _, c := range []string{CaseLostSlot, CaseRewind, CaseTimeline} {
+		if !acceptable(&HistoryError{Case: c}, cfg) || acceptable(&HistoryError{Case: c}, Config{}) {
+			t.Fatalf("%s: accepted only with --accept-lost-rows", c)
+		}
+	}
+}
