@@ -13,6 +13,8 @@
 //   - stream.go: Config, New and the Streamer: its state and Run, which
 //     reconnects with backoff and stands by while another instance holds
 //     the slot.
+//   - defaults.go: the defaults New applies to a zero Config field (also
+//     cmd/jetbox's flag defaults).
 //   - contract.go: Sink and Session, what the streamer needs of a publisher.
 //   - errors.go: IsPermanent (stop or reconnect), PermanentError and the
 //     errors built here.
@@ -24,8 +26,16 @@
 //   - status.go: standby status updates (flush = the tracker's safe LSN).
 //   - history.go: whether the server continues the stream's WAL history
 //     (VerifyHistory, at every session open), and the Jetbox-Source value.
+//   - replay.go: a slot starting at or before the stream's tip must replay
+//     the history the stream holds before anything past the start is
+//     confirmed.
 //   - setup.go, failover.go: jetbox check's findings (failover.go: keeping
 //     the slot across a promotion) and Ensure (publication, slot).
+//   - columns.go: the outbox table's columns as pgoutput sends them
+//     (domains by their base types, generated columns), judged alike by
+//     jetbox check, start-up and repair.
+//   - membership.go: how the table belongs to the publication, and whether
+//     that changed since the slot or the last check.
 //   - monitor.go: the slot monitor (lag, retained WAL, publication, heartbeats).
 //   - snapshot.go: the repair snapshot (jetbox repair).
 //   - sql.go: quoting for the SQL sent as text.

@@ -26,8 +26,11 @@ func (e *Permanent) Unwrap() error { return e.Err }
 // Permanent marks the error as one to stop on.
 func (e *Permanent) Permanent() bool { return true }
 
-// Marker is implemented by every error type jetbox stops on: Permanent, and
-// errors of their own shape (an invalid row, a broken WAL history).
+// Marker is implemented by the error types that mark themselves as ones to
+// stop on: Permanent and replication.HistoryError (a broken WAL history).
+// Not every error jetbox stops on implements it: decoder.InvalidEventError
+// (an invalid row), decoder.ErrProtocol, decoder.ErrTableReplaced and some
+// Postgres errors are told apart by replication.IsPermanent.
 type Marker interface{ Permanent() bool }
 
 // Is reports whether err, or an error it wraps, is marked permanent.
