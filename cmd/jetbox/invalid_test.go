@@ -129,3 +129,57 @@ func TestDeadLetters(t *testing.T) {
 		t.Fatalf("the restart replayed %v events, want all %d (the test did not test the replay)", st["duplicates"], len(cases)-1)
 	}
 }
+
+// TestDeadLetteredRowReplayedUnderStop: a row dead-lettered by a run under
+// --on-invalid=dead-letter, whose transaction the slot replays (jetbox was
+// stopped before it confirmed it: here the slot is put back where it was
+// before the rows, from a copy), is skipped by a restart under
+// --on-invalid=stop, as the stream holds its dead letter: no false stop,
+// nothing stored twice, and the rows after it go on.
+func TestDeadLetteredRowReplayedUnderStop(t *testing.T) {
+	f := newFixture(t, withDDL(permissiveOutbox))
+	p := f.start("JETBOX_ON_INVALID=dead-letter")
+	f.waitStreaming(p)
+	if code := p.stop(); code != exitOK {
+		t.Fatalf("exit %d", code)
+	}
+	f.waitSlotReleased()
+	f.pg.Exec(t, "SELECT pg_copy_logical_replication_slot('jetbox', 'jetbox_before')")
+	good := func(id string) string {
+		return fmt.Sprintf(`INSERT INTO outbox VALUES ('%s', 'order', 'o-1', 'Created', '{"ok": true}', NULL)`, id)
+	}
+	f.pg.Exec(t, good("good-1")+`; INSERT INTO outbox VALUES ('r-space', 'big order', '1', 'E', '{}', NULL); `+good("good-2"))
+	p = f.start("JETBOX_ON_INVALID=dead-letter")
+	f.waitCount(3, time.Minute)
+	if code := p.stop(); code != exitOK {
+		t.Fatalf("exit %d", code)
+	}
+	f.waitSlotReleased()
+	// As if the run had been killed before it confirmed the rows.
+	f.pg.Exec(t, "SELECT pg_drop_replication_slot('jetbox')")
+	f.pg.Exec(t, "SELECT pg_copy_logical_replication_slot('jetbox_before', 'jetbox')")
+	f.pg.Exec(t, "SELECT pg_drop_replication_slot('jetbox_before')")
+
+	p = f.start() // --on-invalid=stop
+	f.waitStreaming(p)
+	f.pg.Exec(t, good("good-3"))
+	f.waitCount(4, time.Minute)
+	msgs := testenv.ReadStream(t, f.js, "OUTBOX", true)
+	var ids []string
+	for _, m := range msgs {
+		ids = append(ids, m.ID)
+	}
+	if len(ids) != 4 || ids[0] != "good-1" || !strings.HasPrefix(ids[1], "jetbox-dlq-") || ids[2] != "good-2" || ids[3] != "good-3" ||
+		msgs[1].Header.Get(decoder.HeaderRowID) != "r-space" {
+		t.Fatalf("stream holds %v, want good-1, the dead letter of r-space, good-2, good-3", ids)
+	}
+	if code := p.stop(); code != exitOK {
+		t.Fatalf("exit %d under --on-invalid=stop, want a clean stop: %s", code, p.tail(2048))
+	}
+	if st := stoppedLine(t, p.logText()); st["duplicates"].(float64) < 2 {
+		t.Fatalf("the restart skipped %v replayed events, want 2 or more (the test did not test the replay)", st["duplicates"])
+	}
+	if !strings.Contains(p.logText(), "which the stream already holds") {
+		t.Fatalf("no log line for the skipped dead-lettered row:\n%s", p.tail(4096))
+	}
+}
