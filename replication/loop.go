@@ -141,7 +141,6 @@ func (l *loop) handle(ctx context.Context, data []byte) error {
 		}
 		switch msg.Kind {
 		case decoder.KindEvent:
-			msg.Event.Source = l.source
 			if l.s.cfg.StampDecoded {
 				msg.Event.Decoded = l.lastRecv // this message's receive time (one clock read per message)
 				msg.Event.WALSent = xld.ServerTime

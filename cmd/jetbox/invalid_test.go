@@ -8,6 +8,7 @@ import (
 
 	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/jetbox-dev/jetbox/internal/testenv"
+	"github.com/nats-io/nats.go"
 )
 
 // permissiveOutbox is an outbox without the README's constraints, so a test
@@ -181,5 +182,31 @@ func TestDeadLetteredRowReplayedUnderStop(t *testing.T) {
 	}
 	if !strings.Contains(p.logText(), "which the stream already holds") {
 		t.Fatalf("no log line for the skipped dead-lettered row:\n%s", p.tail(4096))
+	}
+}
+
+// TestRowNearMaxPayloadIsStored: a row whose message fits max_payload with
+// a few hundred bytes to spare is published, not refused as too-large
+// (the size check counts the headers as they are sent, Jetbox-Source
+// included, instead of a fixed allowance).
+func TestRowNearMaxPayloadIsStored(t *testing.T) {
+	const maxPayload = 16 * 1024
+	f := newFixture(t, withDDL(permissiveOutbox), withNATS(testenv.WithMaxPayload(maxPayload)))
+	p := f.start()
+	f.waitStreaming(p)
+	pad := maxPayload - 450 - len(`{"pad": ""}`)
+	f.pg.Exec(t, fmt.Sprintf(`INSERT INTO outbox VALUES ('near-limit', 'order', 'o-1', 'Created', jsonb_build_object('pad', repeat('x', %d)), NULL)`, pad))
+	f.pg.Exec(t, `INSERT INTO outbox VALUES ('after', 'order', 'o-1', 'Created', '{}', NULL)`)
+	f.waitCount(2, time.Minute)
+	msgs := testenv.ReadStream(t, f.js, "OUTBOX", true)
+	if msgs[0].ID != "near-limit" || msgs[1].ID != "after" {
+		t.Fatalf("stream holds %s, %s; want near-limit, after", msgs[0].ID, msgs[1].ID)
+	}
+	m := &nats.Msg{Header: msgs[0].Header, Data: msgs[0].Data}
+	if size := m.Size(); size > maxPayload || size < maxPayload-600 {
+		t.Fatalf("the message is %d bytes: the test wants one within 600 bytes under max_payload %d", size, maxPayload)
+	}
+	if code := p.stop(); code != exitOK {
+		t.Fatalf("exit %d: %s", code, p.tail(2048))
 	}
 }
