@@ -6,6 +6,8 @@ import (
 	"strconv"
 	"strings"
 	"unicode/utf8"
+
+	"github.com/jackc/pglogrepl"
 )
 
 // Headers of a dead letter, besides jetbox's usual ones (the position
@@ -32,7 +34,7 @@ const (
 // as headers.
 func (c Config) DeadLetter(ev *Event, cause *InvalidEventError) Event {
 	dl := Event{
-		ID:            fmt.Sprintf("jetbox-dlq-%s-%d", ev.CommitLSN, ev.TxIndex),
+		ID:            DeadLetterID(ev.CommitLSN, ev.TxIndex),
 		Subject:       c.DeadLetterSubject + "." + cause.Code,
 		AggregateType: escape(ev.AggregateType, 256),
 		AggregateID:   escape(ev.AggregateID, 256),
@@ -69,13 +71,19 @@ func (c Config) DeadLetter(ev *Event, cause *InvalidEventError) Event {
 	dl.Headers = append(append([]Header(nil), base...), ev.Headers...)
 	// A too-large row's payload never fits, even when the limit was
 	// lowered after MaxMessageSize was read.
-	if cause.Code == ReasonTooLarge || (c.MaxMessageSize > 0 && dl.WireSize()+c.schemeHeaderSize() > c.MaxMessageSize) {
+	if cause.Code == ReasonTooLarge || (c.MaxMessageSize > 0 && c.size(&dl)+perPublishHeaders > c.MaxMessageSize) {
 		source["id"], source["commit_lsn"], source["tx_index"] = ev.ID, ev.CommitLSN.String(), ev.TxIndex
 		ref, _ := json.Marshal(source)
 		dl.Payload = ref
 		dl.Headers = append(base, Header{HeaderPayloadOmitted, "true"}, Header{HeaderPayloadSize, strconv.Itoa(len(ev.Payload))})
 	}
 	return dl
+}
+
+// DeadLetterID is the Nats-Msg-Id of the dead letter of the row at
+// (commitLSN, txIndex).
+func DeadLetterID(commitLSN pglogrepl.LSN, txIndex int) string {
+	return fmt.Sprintf("jetbox-dlq-%s-%d", commitLSN, txIndex)
 }
 
 // escape makes s safe as a header value: printable, valid UTF-8, at most

@@ -55,9 +55,15 @@ type Config struct {
 	// a dead letter on <DeadLetterSubject>.<reason> (see DeadLetter) instead
 	// of an error. Empty: Decode returns the *InvalidEventError (stop).
 	DeadLetterSubject string
-	// MaxMessageSize is the largest message the server and the stream take
-	// (see Event.WireSize); a larger row is invalid (ReasonTooLarge). 0: no check.
+	// MaxMessageSize is the largest message the server and the stream take;
+	// a larger row is invalid (ReasonTooLarge). 0: no check.
 	MaxMessageSize int
+	// Size returns the bytes an event's message takes against
+	// MaxMessageSize, as the sink sends it (sink.MessageSize): a lower
+	// bound, never more, so no row that fits is refused (the sink refuses
+	// exactly what is still too large). nil: the payload and the row's
+	// headers only.
+	Size func(*Event) int
 	// MaxSubjectLength is the longest subject the server takes (see
 	// sink.Publisher.SubjectLimit: NATS' max_control_line less the reply
 	// subject and sizes on the same line); a longer one is invalid
@@ -90,14 +96,24 @@ func (c Config) IndexScheme() string {
 	return "table,messages:" + c.MessagePrefix
 }
 
-// schemeHeaderSize is what the Jetbox-Index-Scheme header adds to a message
-// (see WireSize): its name, value and separators.
-func (c Config) schemeHeaderSize() int {
-	if s := c.IndexScheme(); s != "" {
-		return len("Jetbox-Index-Scheme") + len(s) + 4
+// size is ev's message size against MaxMessageSize (see Size).
+func (c *Config) size(ev *Event) int {
+	if c.Size != nil {
+		return c.Size(ev)
 	}
-	return 0
+	n := len(ev.Payload)
+	for _, h := range ev.Headers {
+		n += len(h.Key) + len(h.Value) + 4
+	}
+	return n
 }
+
+// perPublishHeaders is what one publish may add to a message besides what
+// Size counts: the order guard's expected sequence and last id (the
+// previous row's id, here up to 150 bytes), a trace context, an atomic
+// batch's headers. A dead letter's payload is left out unless it fits
+// with them.
+const perPublishHeaders = 512
 
 // Kind says what a decoded message means to the forwarder.
 type Kind int
@@ -189,7 +205,8 @@ type Decoder struct {
 	xid        uint32
 	index      int
 
-	cols []column // splitTuple's storage, reused for every insert
+	cols   []column // splitTuple's storage, reused for every insert
+	source string   // Event.Source of every event (SetSource)
 }
 
 // New returns a decoder for cfg. Call Validate on cfg first.
@@ -206,6 +223,10 @@ func (d *Decoder) SetOutbox(id OutboxIdentity) { d.outbox = id }
 // a Relation message's domain columns are judged, and read, as their base
 // types. A domain it does not know is judged as an unknown type.
 func (d *Decoder) SetDomains(domains Domains) { d.domains = domains }
+
+// SetSource sets the WAL history (Event.Source) of the events decoded from
+// now on: the sink's headers carry it, so their size counts it.
+func (d *Decoder) SetSource(source string) { d.source = source }
 
 // InTransaction reports whether a Begin was decoded without its Commit.
 func (d *Decoder) InTransaction() bool { return d.inTxn }
@@ -317,7 +338,7 @@ func (d *Decoder) decodeInsert(src []byte) (Message, error) {
 		return Message{}, err
 	}
 	d.cols = cols // reused: the columns alias data, read only during Decode
-	ev := Event{CommitLSN: d.commitLSN, CommitTime: d.commitTime, TxIndex: index, XID: d.xid}
+	ev := Event{CommitLSN: d.commitLSN, CommitTime: d.commitTime, TxIndex: index, XID: d.xid, Source: d.source}
 	if err := rel.fill(&ev, cols, &d.cfg); err != nil {
 		err.LSN, err.TxIndex = d.commitLSN, index
 		if d.cfg.DeadLetterSubject == "" || !err.DeadLetterable() {

@@ -234,12 +234,5 @@ func TestIndexScheme(t *testing.T) {
 		if got := c.cfg.IndexScheme(); got != c.want {
 			t.Errorf("%+v: IndexScheme() = %q, want %q", c.cfg, got, c.want)
 		}
-		want := 0
-		if c.want != "" {
-			want = len("Jetbox-Index-Scheme: \r\n") + len(c.want)
-		}
-		if got := c.cfg.schemeHeaderSize(); got != want {
-			t.Errorf("%+v: schemeHeaderSize() = %d, want %d", c.cfg, got, want)
-		}
 	}
 }

@@ -362,21 +362,16 @@ func (r *relation) check(ev *Event, cols []column, cfg *Config) *InvalidEventErr
 			return invalid(ReasonBadHeaders, "headers", fmt.Sprintf("headers arrived as %q, not text", h.kind), "")
 		}
 	}
-	if size, max := ev.WireSize()+cfg.schemeHeaderSize(), cfg.MaxMessageSize; max > 0 && size > max {
-		return invalid(ReasonTooLarge, "payload", fmt.Sprintf("message of about %d bytes (payload %d) is over the limit of %d bytes (the server's max_payload or the stream's max_msg_size)", size, len(ev.Payload), max),
+	return cfg.checkSize(ev)
+}
+
+// checkSize refuses an event whose message is over MaxMessageSize.
+func (c *Config) checkSize(ev *Event) *InvalidEventError {
+	if size, max := c.size(ev), c.MaxMessageSize; max > 0 && size > max {
+		return invalid(ReasonTooLarge, "payload", fmt.Sprintf("message of at least %d bytes (payload %d) is over the limit of %d bytes (the server's max_payload or the stream's max_msg_size)", size, len(ev.Payload), max),
 			"raise max_payload on the NATS server (and the stream's max_msg_size), or keep outbox payloads smaller (e.g. a CHECK on octet_length(payload))")
 	}
 	return nil
-}
-
-// WireSize estimates the bytes a message takes against NATS' max_payload:
-// the payload, the row's headers and jetbox's own headers.
-func (ev *Event) WireSize() int {
-	n := len(ev.Payload) + 640 + 2*len(ev.ID) + len(ev.AggregateType) + len(ev.AggregateID) + len(ev.EventType) + len(ev.Source)
-	for _, h := range ev.Headers {
-		n += len(h.Key) + len(h.Value) + 4
-	}
-	return n
 }
 
 // decodeByteaHex decodes Postgres' hex bytea output (\x0a0b...).

@@ -3,6 +3,7 @@ package replication
 import (
 	"context"
 
+	"github.com/jackc/pglogrepl"
 	"github.com/jetbox-dev/jetbox/decoder"
 )
 
@@ -33,4 +34,15 @@ type Session interface {
 	Flush(blocked func() bool)
 	// Close waits (bounded by ctx) until every done was called.
 	Close(ctx context.Context) error
+}
+
+// HeldSkipper is a Session that can tell, by position alone, an event the
+// stream already holds. The loop asks it about a row that cannot be
+// published under --on-invalid=stop: an earlier run under
+// --on-invalid=dead-letter may have stored its dead letter before the slot
+// confirmed it, and its replay is then skipped rather than stopped on.
+type HeldSkipper interface {
+	// SkipHeld reports whether the stream holds this session's event at
+	// (lsn, txIndex); if so it counts the event as a skipped replay.
+	SkipHeld(lsn pglogrepl.LSN, txIndex int) bool
 }

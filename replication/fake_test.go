@@ -424,7 +424,9 @@ type fakeSink struct {
 	onOpen    func() // called on every Open, before it succeeds or fails
 	down      atomic.Bool
 	tip       *StreamTip // the stream's tip (TipSource); nil: none
-	forgot    atomic.Int64
+	// held: the events the stream holds by position (HeldSkipper); nil: none.
+	held   func(lsn pglogrepl.LSN, index int) bool
+	forgot atomic.Int64
 
 	mu        sync.Mutex
 	decide    decideFunc
@@ -618,6 +620,11 @@ func (fs *fakeSession) seal(last bool, why string) []func() {
 	fs.open = nil
 	fs.s.seals = append(fs.s.seals, u)
 	return run
+}
+
+// SkipHeld implements HeldSkipper with the sink's held.
+func (fs *fakeSession) SkipHeld(lsn pglogrepl.LSN, index int) bool {
+	return fs.s.held != nil && fs.s.held(lsn, index)
 }
 
 func (fs *fakeSession) EndTransaction() {

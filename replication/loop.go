@@ -137,11 +137,10 @@ func (l *loop) handle(ctx context.Context, data []byte) error {
 		}
 		msg, err := l.dec.Decode(xld.WALData)
 		if err != nil {
-			return err
+			return l.decodeFailed(err)
 		}
 		switch msg.Kind {
 		case decoder.KindEvent:
-			msg.Event.Source = l.source
 			if l.s.cfg.StampDecoded {
 				msg.Event.Decoded = l.lastRecv // this message's receive time (one clock read per message)
 				msg.Event.WALSent = xld.ServerTime
@@ -171,6 +170,26 @@ func (l *loop) handle(ctx context.Context, data []byte) error {
 	default:
 		return fmt.Errorf("%w: unknown CopyData message %q", decoder.ErrProtocol, data[0])
 	}
+}
+
+// decodeFailed handles an error of the decoder. A row that cannot be
+// published (--on-invalid=stop) is skipped when the stream already holds
+// it: an earlier run under --on-invalid=dead-letter stored its dead letter
+// (or, before a configuration change made it invalid, the row) and was
+// stopped before the slot confirmed it, so the slot replays it. Anything
+// else stops the session.
+func (l *loop) decodeFailed(err error) error {
+	var ie *decoder.InvalidEventError
+	hs, ok := l.sess.(HeldSkipper)
+	if !errors.As(err, &ie) || !ok || !hs.SkipHeld(ie.LSN, ie.TxIndex) {
+		return err
+	}
+	if err := l.replay.invalid(ie.LSN, ie.TxIndex, ie.ID); err != nil {
+		return l.historyBreak(err)
+	}
+	l.log.Info().Str("event_id", ie.ID).Str("lsn", ie.LSN.String()).Int("tx_index", ie.TxIndex).Str("reason", ie.Code).
+		Msg("replay of a row that cannot be published, which the stream already holds (its dead letter, stored by an earlier run): skipped")
+	return nil
 }
 
 // publish tracks ev, waiting for room in the window while keeping status

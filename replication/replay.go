@@ -65,6 +65,17 @@ func (r *tipReplay) event(lsn pglogrepl.LSN, index int, id string) error {
 	return r.mismatch(fmt.Sprintf("the slot's replay reached row id %q at transaction %s, row %d, past the stream's last position (transaction %s, row %d, id %q) without reproducing it", id, lsn, index, r.tip.CommitLSN, r.tip.TxIndex, r.tip.ID))
 }
 
+// invalid checks a replayed row that cannot be published now but that the
+// stream holds (see loop.decodeFailed): at the tip's position the stream
+// may hold its dead letter, whose id is derived from the position.
+func (r *tipReplay) invalid(lsn pglogrepl.LSN, index int, rowID string) error {
+	if r.holding() && lsn == r.tip.CommitLSN && index == r.tip.TxIndex && r.tip.ID == decoder.DeadLetterID(lsn, index) {
+		r.pending = false
+		return nil
+	}
+	return r.event(lsn, index, rowID)
+}
+
 // commit checks the end of a replayed transaction that committed at lsn.
 func (r *tipReplay) commit(lsn pglogrepl.LSN) error {
 	if !r.holding() || lsn < r.tip.CommitLSN {

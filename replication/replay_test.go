@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/jackc/pglogrepl"
+	"github.com/jetbox-dev/jetbox/decoder"
 )
 
 func TestTipReplay(t *testing.T) {
@@ -159,4 +160,80 @@ func TestReplayOfASinkDeadLetterTipGoesOn(t *testing.T) {
 	h.waitStored(y.ids[0])
 	h.waitFlush(y.end)
 	h.finished()
+}
+
+// badInsertMsg is an outbox insert the decoder refuses (bad-subject: a
+// space in aggregate_type).
+func badInsertMsg(id string) []byte {
+	vals := []string{id, "big order", "o-1", "Created", `{}`}
+	b := be16(append(be32([]byte{'I'}, outboxRelID), 'N'), uint16(len(vals)+1))
+	for _, v := range vals {
+		b = append(be32(append(b, 't'), uint32(len(v))), v...)
+	}
+	return append(b, 'n')
+}
+
+// A row that cannot be published under --on-invalid=stop, which an
+// earlier run under --on-invalid=dead-letter replaced with its dead letter
+// before the slot confirmed it: the slot replays it, the stream holds it,
+// so it is skipped (and reproduces the tip, its dead letter) and the rows
+// after it go on. One the stream does not hold stops the session, and a
+// held one at the tip's position under another id is a rewind.
+func TestReplayOfADeadLetteredRowUnderStop(t *testing.T) {
+	for _, c := range []struct {
+		name  string
+		held  bool
+		tipID func(x txn) string
+		want  string // "" goes on, "invalid" or "rewind"
+	}{
+		{"held, the tip its dead letter", true, func(x txn) string { return decoder.DeadLetterID(x.commit, 1) }, ""},
+		{"held, the tip after it", true, nil, ""},
+		{"not held", false, nil, "invalid"},
+		{"held, another id at the tip", true, func(txn) string { return "other-row" }, "rewind"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			sink := &fakeSink{}
+			h := newHarness(t, Config{}, sink)
+			x := h.tx(3)
+			y := h.tx(1)
+			h.mu.Lock()
+			delete(h.events, x.ids[1]) // never stored as itself
+			h.mu.Unlock()
+			sink.held = func(lsn pglogrepl.LSN, index int) bool { return c.held && lsn == x.commit && index <= 1 }
+			if c.tipID != nil {
+				sink.tip = &StreamTip{Seq: 40, Source: fakeSource, CommitLSN: x.commit, TxIndex: 1, ID: c.tipID(x)}
+			} else {
+				sink.tip = &StreamTip{Seq: 40, Source: fakeSource, CommitLSN: x.commit, TxIndex: 0, ID: x.ids[0]}
+			}
+			h.run()
+			h.wal.send(x.begin(), x.insert(0), xlogData(x.commit-0x40, badInsertMsg(x.ids[1])), x.insert(2), x.commitData())
+			h.wal.send(y.all()...)
+			if c.want == "" {
+				h.waitStored(x.ids[2], y.ids[0])
+				h.waitFlush(y.end)
+				h.finished()
+				return
+			}
+			var err error
+			select {
+			case err = <-h.done:
+				h.done = nil
+			case <-time.After(30 * time.Second):
+				t.Fatal("Run did not stop")
+			}
+			var ie *decoder.InvalidEventError
+			var he *HistoryError
+			switch {
+			case c.want == "invalid" && !errors.As(err, &ie):
+				t.Fatalf("Run returned %v, want the invalid-row error", err)
+			case c.want == "rewind" && (!errors.As(err, &he) || he.Case != CaseRewind):
+				t.Fatalf("Run returned %v, want a rewind error", err)
+			}
+			for _, st := range h.wal.allStatuses() {
+				if st.flush > startLSN {
+					t.Fatalf("confirmed %s, past the slot's %s", st.flush, startLSN)
+				}
+			}
+		})
+	}
 }

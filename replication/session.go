@@ -93,6 +93,7 @@ func (s *Streamer) session(ctx context.Context) (err error) {
 	}
 	l.dec.SetOutbox(s.outbox)
 	l.dec.SetDomains(domains)
+	l.dec.SetSource(source)
 	s.sent.Store(uint64(start))
 	// Open the sink only now that this instance holds the slot: a standby
 	// (START_REPLICATION refused, another instance streams) must not take

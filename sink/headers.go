@@ -2,10 +2,13 @@ package sink
 
 import (
 	"fmt"
+	"net/textproto"
 	"strconv"
 
 	"github.com/jackc/pglogrepl"
+	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 )
 
 // Header names jetbox sets on its messages, for consumers and tools that read
@@ -38,6 +41,55 @@ const (
 // CommitTimeLayout is the format of Jetbox-Commit-Time: RFC 3339 in UTC with
 // nanoseconds always printed, so the strings sort like the times.
 const CommitTimeLayout = "2006-01-02T15:04:05.000000000Z07:00"
+
+// MessageSize is the size of ev's message as NATS counts it against
+// max_payload and a stream's max_msg_size (the payload and the header
+// block), with the headers every publish of it carries: the row's,
+// jetbox's (indexScheme: Config.IndexScheme) and Nats-Msg-Id. What one
+// publish adds on its own (the order guard's expected sequence and last
+// id, an atomic batch's headers, a trace context) is left out: it is a
+// lower bound (decoder.Config.Size), and what is still too large is
+// refused exactly when it is published.
+func MessageSize(ev *decoder.Event, indexScheme string) int {
+	n := len(ev.Payload) + len("NATS/1.0\r\n") + len("\r\n")
+	field := func(k, v string) { n += len(k) + len(textproto.TrimString(v)) + 4 } // "k: v\r\n"
+	for _, h := range ev.Headers {
+		field(h.Key, h.Value)
+	}
+	field(HeaderAggregateType, ev.AggregateType)
+	field(HeaderAggregateID, ev.AggregateID)
+	field(HeaderEventType, ev.EventType)
+	n += len(HeaderCommitLSN) + hexDigits(uint32(ev.CommitLSN>>32)) + 1 + hexDigits(uint32(ev.CommitLSN)) + 4
+	n += len(HeaderCommitTime) + len(CommitTimeLayout) - len("Z07:00") + len("Z") + 4 // always UTC
+	n += len(HeaderTxIndex) + decimalDigits(ev.TxIndex) + 4
+	if ev.Source != "" {
+		field(HeaderSource, ev.Source)
+	}
+	if indexScheme != "" {
+		field(HeaderIndexScheme, indexScheme)
+	}
+	field(jetstream.MsgIDHeader, ev.ID)
+	return n
+}
+
+func hexDigits(v uint32) int {
+	n := 1
+	for v >= 16 {
+		v, n = v>>4, n+1
+	}
+	return n
+}
+
+func decimalDigits(v int) int {
+	n := 1
+	if v < 0 {
+		v, n = -v, 2
+	}
+	for v >= 10 {
+		v, n = v/10, n+1
+	}
+	return n
+}
 
 // Position is where a message's row comes from in the WAL: Jetbox-Commit-LSN
 // (commit order), then Jetbox-Tx-Index (the row's order in its transaction).

@@ -380,6 +380,10 @@ func (p *Publisher) closedErr(err error) error {
 		Hint: "see the NATS error jetbox logged before it and the server's log (\"maximum control line exceeded\": a subject over the server's max_control_line, so set --nats-max-control-line to the server's value), fix the cause and restart jetbox; nothing past the last stored event was confirmed, so a restart loses nothing"}
 }
 
+// MessageSize is MessageSize with this publisher's index scheme: the
+// decoder's size check (decoder.Config.Size).
+func (p *Publisher) MessageSize(ev *decoder.Event) int { return MessageSize(ev, p.cfg.IndexScheme) }
+
 // SubjectLimit returns the longest subject a publish may carry: the
 // server's max_control_line (Config.MaxControlLine; servers do not send
 // theirs in INFO) less the reply subject and sizes that share the line. A

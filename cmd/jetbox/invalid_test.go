@@ -8,6 +8,7 @@ import (
 
 	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/jetbox-dev/jetbox/internal/testenv"
+	"github.com/nats-io/nats.go"
 )
 
 // permissiveOutbox is an outbox without the README's constraints, so a test
@@ -127,5 +128,85 @@ func TestDeadLetters(t *testing.T) {
 	}
 	if st := stoppedLine(t, p.logText()); st["duplicates"].(float64) < float64(len(cases)-1) {
 		t.Fatalf("the restart replayed %v events, want all %d (the test did not test the replay)", st["duplicates"], len(cases)-1)
+	}
+}
+
+// TestDeadLetteredRowReplayedUnderStop: a row dead-lettered by a run under
+// --on-invalid=dead-letter, whose transaction the slot replays (jetbox was
+// stopped before it confirmed it: here the slot is put back where it was
+// before the rows, from a copy), is skipped by a restart under
+// --on-invalid=stop, as the stream holds its dead letter: no false stop,
+// nothing stored twice, and the rows after it go on.
+func TestDeadLetteredRowReplayedUnderStop(t *testing.T) {
+	f := newFixture(t, withDDL(permissiveOutbox))
+	p := f.start("JETBOX_ON_INVALID=dead-letter")
+	f.waitStreaming(p)
+	if code := p.stop(); code != exitOK {
+		t.Fatalf("exit %d", code)
+	}
+	f.waitSlotReleased()
+	f.pg.Exec(t, "SELECT pg_copy_logical_replication_slot('jetbox', 'jetbox_before')")
+	good := func(id string) string {
+		return fmt.Sprintf(`INSERT INTO outbox VALUES ('%s', 'order', 'o-1', 'Created', '{"ok": true}', NULL)`, id)
+	}
+	f.pg.Exec(t, good("good-1")+`; INSERT INTO outbox VALUES ('r-space', 'big order', '1', 'E', '{}', NULL); `+good("good-2"))
+	p = f.start("JETBOX_ON_INVALID=dead-letter")
+	f.waitCount(3, time.Minute)
+	if code := p.stop(); code != exitOK {
+		t.Fatalf("exit %d", code)
+	}
+	f.waitSlotReleased()
+	// As if the run had been killed before it confirmed the rows.
+	f.pg.Exec(t, "SELECT pg_drop_replication_slot('jetbox')")
+	f.pg.Exec(t, "SELECT pg_copy_logical_replication_slot('jetbox_before', 'jetbox')")
+	f.pg.Exec(t, "SELECT pg_drop_replication_slot('jetbox_before')")
+
+	p = f.start() // --on-invalid=stop
+	f.waitStreaming(p)
+	f.pg.Exec(t, good("good-3"))
+	f.waitCount(4, time.Minute)
+	msgs := testenv.ReadStream(t, f.js, "OUTBOX", true)
+	var ids []string
+	for _, m := range msgs {
+		ids = append(ids, m.ID)
+	}
+	if len(ids) != 4 || ids[0] != "good-1" || !strings.HasPrefix(ids[1], "jetbox-dlq-") || ids[2] != "good-2" || ids[3] != "good-3" ||
+		msgs[1].Header.Get(decoder.HeaderRowID) != "r-space" {
+		t.Fatalf("stream holds %v, want good-1, the dead letter of r-space, good-2, good-3", ids)
+	}
+	if code := p.stop(); code != exitOK {
+		t.Fatalf("exit %d under --on-invalid=stop, want a clean stop: %s", code, p.tail(2048))
+	}
+	if st := stoppedLine(t, p.logText()); st["duplicates"].(float64) < 2 {
+		t.Fatalf("the restart skipped %v replayed events, want 2 or more (the test did not test the replay)", st["duplicates"])
+	}
+	if !strings.Contains(p.logText(), "which the stream already holds") {
+		t.Fatalf("no log line for the skipped dead-lettered row:\n%s", p.tail(4096))
+	}
+}
+
+// TestRowNearMaxPayloadIsStored: a row whose message fits max_payload with
+// a few hundred bytes to spare is published, not refused as too-large
+// (the size check counts the headers as they are sent, Jetbox-Source
+// included, instead of a fixed allowance).
+func TestRowNearMaxPayloadIsStored(t *testing.T) {
+	const maxPayload = 16 * 1024
+	f := newFixture(t, withDDL(permissiveOutbox), withNATS(testenv.WithMaxPayload(maxPayload)))
+	p := f.start()
+	f.waitStreaming(p)
+	pad := maxPayload - 450 - len(`{"pad": ""}`)
+	f.pg.Exec(t, fmt.Sprintf(`INSERT INTO outbox VALUES ('near-limit', 'order', 'o-1', 'Created', jsonb_build_object('pad', repeat('x', %d)), NULL)`, pad))
+	f.pg.Exec(t, `INSERT INTO outbox VALUES ('after', 'order', 'o-1', 'Created', '{}', NULL)`)
+	f.waitCount(2, time.Minute)
+	msgs := testenv.ReadStream(t, f.js, "OUTBOX", true)
+	if msgs[0].ID != "near-limit" || msgs[1].ID != "after" {
+		t.Fatalf("stream holds %s, %s; want near-limit, after", msgs[0].ID, msgs[1].ID)
+	}
+	m := &nats.Msg{Header: msgs[0].Header, Data: msgs[0].Data}
+	if size := m.Size(); size > maxPayload || size < maxPayload-600 {
+		t.Fatalf("the message is %d bytes: the test wants one within 600 bytes under max_payload %d", size, maxPayload)
+	}
+	if code := p.stop(); code != exitOK {
+		t.Fatalf("exit %d: %s", code, p.tail(2048))
 	}
 }

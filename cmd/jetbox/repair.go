@@ -130,6 +130,7 @@ func (r *repairer) run(ctx context.Context) (int, error) {
 	if limit, err := pub.MessageLimit(sctx); err == nil {
 		cfg.Replication.Decoder.MaxMessageSize = limit
 		cfg.Replication.Decoder.MaxSubjectLength = pub.SubjectLimit()
+		cfg.Replication.Decoder.Size = pub.MessageSize
 	} else if !r.dryRun { // a dry run before the stream exists checks no size
 		return exitFailure, err
 	}

@@ -127,6 +127,7 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 		return exitFailure
 	}
 	cfg.Replication.Decoder.MaxSubjectLength = pub.SubjectLimit()
+	cfg.Replication.Decoder.Size = pub.MessageSize
 	if dl := cfg.Replication.Decoder.DeadLetterSubject; dl != "" {
 		log.Info().Str("subject", dl+".<reason>").Msg("rows that cannot be published become dead letters")
 	}
