@@ -1,6 +1,16 @@
 package main
 
-import "runtime/debug"
+import (
+	"fmt"
+	"runtime"
+	"runtime/debug"
+)
+
+// versionLine is what jetbox version and jetbox --version print.
+func versionLine() string {
+	ver, revision := buildVersion()
+	return fmt.Sprintf("jetbox %s (commit %s, %s)", ver, revision, runtime.Version())
+}
 
 // buildVersion is the version and VCS revision jetbox_build_info reports:
 // the ones set at link time (-X main.version, -X main.commit), else what

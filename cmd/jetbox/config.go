@@ -109,11 +109,11 @@ type RunFlags struct {
 	MaxInFlightBytes string `name:"max-in-flight-bytes" env:"JETBOX_MAX_IN_FLIGHT_BYTES" default:"8MiB" help:"Payload bytes published and not yet acked (with the soft memory limit, see GOMEMLIMIT in docs/configuration.md, this bounds the memory)."`
 	PublishTimeout   string `name:"publish-timeout" env:"JETBOX_PUBLISH_TIMEOUT" default:"${default_publish_timeout}" help:"Wait for one PubAck before the outcome counts as unknown."`
 	Delivery         string `name:"delivery" env:"JETBOX_DELIVERY" default:"${default_delivery}" help:"exactly-once: jetbox is the stream's only writer (a stream of its own, limits retention), publishes expect the last sequence and replays are skipped by position, whatever the window; dedup: for streams shared with other publishers, Nats-Msg-Id dedup within the duplicate window."`
-	AtomicTx         string `name:"atomic-transactions" env:"JETBOX_ATOMIC_TRANSACTIONS" default:"false" help:"Store each transaction as JetStream atomic batches, so consumers never see part of one (up to the server's batch limit, 1000 rows by default; larger ones arrive in atomic chunks, the last message has Jetbox-Tx-Last: true). Needs --delivery=exactly-once, nats-server 2.12+ and a stream that allows atomic publish."`
+	AtomicTx         boolText `name:"atomic-transactions" env:"JETBOX_ATOMIC_TRANSACTIONS" default:"false" help:"Store each transaction as JetStream atomic batches, so consumers never see part of one (up to the server's batch limit, 1000 rows by default; larger ones arrive in atomic chunks, the last message has Jetbox-Tx-Last: true). Needs --delivery=exactly-once, nats-server 2.12+ and a stream that allows atomic publish."`
 	OnInvalid        string `name:"on-invalid" env:"JETBOX_ON_INVALID" default:"stop" help:"A row that cannot be published: stop (exit 1, slot kept before it) or dead-letter (publish it to --dead-letter-subject.<reason> and go on)."`
 	DeadLetterSubj   string `name:"dead-letter-subject" env:"JETBOX_DEAD_LETTER_SUBJECT" help:"With --on-invalid=dead-letter: subject prefix for dead letters, captured by the stream. Default <subject-prefix>._dlq." placeholder:"SUBJECT"`
-	OrderGuard       string `name:"order-guard" env:"JETBOX_ORDER_GUARD" default:"true" help:"Send Nats-Expected-Last-Sequence so the stream never holds a gap or reordering (needs jetbox to be the stream's only writer)."`
-	AcceptLostRows   string `name:"accept-lost-rows" env:"JETBOX_ACCEPT_LOST_ROWS" default:"false" help:"Go on where the server does not continue the stream's history (its slot is lost after a failover or drop, its WAL is behind the stream after a restore, its timeline branched before the stream's last row) instead of stopping with exit 2. Rows committed in between may then be missing: prefer jetbox repair."`
+	OrderGuard       boolText `name:"order-guard" env:"JETBOX_ORDER_GUARD" default:"true" help:"Send Nats-Expected-Last-Sequence so the stream never holds a gap or reordering (needs jetbox to be the stream's only writer)."`
+	AcceptLostRows   boolText `name:"accept-lost-rows" env:"JETBOX_ACCEPT_LOST_ROWS" default:"false" help:"Go on where the server does not continue the stream's history (its slot is lost after a failover or drop, its WAL is behind the stream after a restore, its timeline branched before the stream's last row) instead of stopping with exit 2. Rows committed in between may then be missing: prefer jetbox repair."`
 	StatusInterval   string `name:"status-interval" env:"JETBOX_STATUS_INTERVAL" default:"${default_status_interval}" help:"Standby status update period."`
 	PostgresTimeout  string `name:"postgres-timeout" env:"JETBOX_POSTGRES_TIMEOUT" default:"${default_postgres_timeout}" help:"Reconnect when Postgres sends nothing for this long."`
 	ShutdownTimeout  string `name:"shutdown-timeout" env:"JETBOX_SHUTDOWN_TIMEOUT" default:"${default_shutdown_timeout}" help:"On stop, wait this long for in-flight acks."`
@@ -383,22 +383,22 @@ func (f *RunFlags) Config() (Config, error) {
 	if f.Delivery != "dedup" && f.Delivery != "exactly-once" {
 		bad("delivery", f.Delivery, "unknown delivery mode", "use dedup or exactly-once (see docs/guarantees.md)")
 	}
-	orderGuard, err := strconv.ParseBool(f.OrderGuard)
+	orderGuard, err := strconv.ParseBool(string(f.OrderGuard))
 	if err != nil {
-		bad("order-guard", f.OrderGuard, "not a boolean", "use true or false")
+		bad("order-guard", string(f.OrderGuard), "not a boolean", "use true or false")
 	} else if !orderGuard && f.Delivery == "exactly-once" {
-		bad("order-guard", f.OrderGuard, "conflicts with --delivery=exactly-once (the default), which always guards the order", "drop --order-guard=false, or add --delivery=dedup (for a stream shared with other publishers)")
+		bad("order-guard", string(f.OrderGuard), "conflicts with --delivery=exactly-once (the default), which always guards the order", "drop --order-guard=false, or add --delivery=dedup (for a stream shared with other publishers)")
 	}
-	atomicTx, err := strconv.ParseBool(f.AtomicTx)
+	atomicTx, err := strconv.ParseBool(string(f.AtomicTx))
 	if err != nil {
-		bad("atomic-transactions", f.AtomicTx, "not a boolean", "use true or false")
+		bad("atomic-transactions", string(f.AtomicTx), "not a boolean", "use true or false")
 	} else if atomicTx && f.Delivery != "exactly-once" {
-		bad("atomic-transactions", f.AtomicTx, "needs --delivery=exactly-once: JetStream refuses a whole atomic batch that holds an id it already stored, so replays must be skipped by position, not deduplicated",
+		bad("atomic-transactions", string(f.AtomicTx), "needs --delivery=exactly-once: JetStream refuses a whole atomic batch that holds an id it already stored, so replays must be skipped by position, not deduplicated",
 			"add --delivery=exactly-once (jetbox must then be the stream's only writer), or drop --atomic-transactions")
 	}
-	acceptLost, err := strconv.ParseBool(f.AcceptLostRows)
+	acceptLost, err := strconv.ParseBool(string(f.AcceptLostRows))
 	if err != nil {
-		bad("accept-lost-rows", f.AcceptLostRows, "not a boolean", "use true or false")
+		bad("accept-lost-rows", string(f.AcceptLostRows), "not a boolean", "use true or false")
 	}
 	deadLetter := ""
 	switch f.OnInvalid {

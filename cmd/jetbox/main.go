@@ -15,7 +15,6 @@ import (
 	"io"
 	"os"
 	"os/signal"
-	"runtime"
 	"syscall"
 
 	"github.com/alecthomas/kong"
@@ -35,13 +34,14 @@ var (
 )
 
 type cli struct {
-	Run         RunFlags       `cmd:"" help:"Forward outbox inserts from the WAL to JetStream."`
-	Check       checkCmd       `cmd:"" help:"Check both sides and report every problem at once, with fixes (changes nothing)."`
-	Repair      repairCmd      `cmd:"" help:"Make the stream whole from the outbox table after a lost slot or on a first deployment (new slot, exported snapshot)."`
-	Status      statusCmd      `cmd:"" help:"One screen: the slot, the publication, the stream and the lag."`
-	Demo        demoCmd        `cmd:"" help:"See it work: a throwaway Postgres and an embedded NATS, the forwarder, sample orders, live."`
-	Healthcheck healthcheckCmd `cmd:"" help:"Exit 0 if a local jetbox answers /healthz (for container health checks)."`
-	Version     versionCmd     `cmd:"" help:"Print version, commit and Go version."`
+	Run         RunFlags         `cmd:"" help:"Forward outbox inserts from the WAL to JetStream."`
+	Check       checkCmd         `cmd:"" help:"Check both sides and report every problem at once, with fixes (changes nothing)."`
+	Repair      repairCmd        `cmd:"" help:"Make the stream whole from the outbox table after a lost slot or on a first deployment (new slot, exported snapshot)."`
+	Status      statusCmd        `cmd:"" help:"One screen: the slot, the publication, the stream and the lag."`
+	Demo        demoCmd          `cmd:"" help:"See it work: a throwaway Postgres and an embedded NATS, the forwarder, sample orders, live."`
+	Healthcheck healthcheckCmd   `cmd:"" help:"Exit 0 if a local jetbox answers /healthz (for container health checks)."`
+	Version     versionCmd       `cmd:"" help:"Print version, commit and Go version."`
+	VersionFlag kong.VersionFlag `name:"version" help:"Print version, commit and Go version, and exit."`
 }
 
 type versionCmd struct{}
@@ -66,7 +66,7 @@ func realMain(args []string, stdout, stderr io.Writer) int {
 	case "healthcheck":
 		return c.Healthcheck.run()
 	case "version":
-		fmt.Fprintf(stdout, "jetbox %s (commit %s, %s)\n", version, commit, runtime.Version())
+		fmt.Fprintln(stdout, versionLine())
 		return exitOK
 	case "check":
 		ctx, stop := signalContext()
@@ -106,6 +106,7 @@ func newParser(c *cli, stdout, stderr io.Writer, exitCode *int) (*kong.Kong, err
 		kong.Writers(stdout, stderr),
 		kong.Exit(func(code int) { *exitCode = code }),
 		kong.Vars(flagVars),
+		kong.Vars{"version": versionLine()},
 	)
 }
 

@@ -1,0 +1,46 @@
+package main
+
+import (
+	"bytes"
+	"strings"
+	"testing"
+)
+
+// TestBareBooleanFlags: the boolean flags may be written bare, as the
+// README does (--atomic-transactions), or with a value; a bad value is
+// still reported with the other configuration problems.
+func TestBareBooleanFlags(t *testing.T) {
+	var out, errOut bytes.Buffer
+	// Bare: true, so atomic mode's rule (exactly-once) applies and is reported.
+	code := realMain([]string{"run", "--postgres-url=postgres://x@127.0.0.1/db", "--delivery=dedup", "--atomic-transactions"}, &out, &errOut)
+	if code != exitConfig || !strings.Contains(errOut.String(), `--atomic-transactions (JETBOX_ATOMIC_TRANSACTIONS) = "true": needs --delivery=exactly-once`) {
+		t.Fatalf("bare --atomic-transactions: exit %d, stderr %s", code, errOut.String())
+	}
+	errOut.Reset()
+	code = realMain([]string{"run", "--postgres-url=postgres://x@127.0.0.1/db", "--order-guard=maybe", "--accept-lost-rows=perhaps", "--slot=Bad-Slot"}, &out, &errOut)
+	for _, want := range []string{`--order-guard (JETBOX_ORDER_GUARD) = "maybe": not a boolean`, `--accept-lost-rows (JETBOX_ACCEPT_LOST_ROWS) = "perhaps": not a boolean`, "--slot"} {
+		if code != exitConfig || !strings.Contains(errOut.String(), want) {
+			t.Fatalf("exit %d, stderr lacks %q:\n%s", code, want, errOut.String())
+		}
+	}
+	t.Setenv("JETBOX_ATOMIC_TRANSACTIONS", "nope")
+	errOut.Reset()
+	if code := realMain([]string{"run", "--postgres-url=postgres://x@127.0.0.1/db"}, &out, &errOut); code != exitConfig ||
+		!strings.Contains(errOut.String(), `= "nope": not a boolean`) {
+		t.Fatalf("JETBOX_ATOMIC_TRANSACTIONS=nope: exit %d, stderr %s", code, errOut.String())
+	}
+}
+
+// TestVersionFlag: jetbox --version and jetbox version print the same line.
+func TestVersionFlag(t *testing.T) {
+	var flag, cmd, errOut bytes.Buffer
+	if code := realMain([]string{"--version"}, &flag, &errOut); code != exitOK || !strings.HasPrefix(flag.String(), "jetbox ") {
+		t.Fatalf("--version: exit %d, stdout %q, stderr %q", code, flag.String(), errOut.String())
+	}
+	if code := realMain([]string{"version"}, &cmd, &errOut); code != exitOK || cmd.String() != flag.String() {
+		t.Fatalf("version: exit %d, %q; --version printed %q", code, cmd.String(), flag.String())
+	}
+	if !strings.Contains(flag.String(), "(commit ") || strings.Contains(flag.String(), "commit none") {
+		t.Fatalf("version line %q: want a commit from the link flags or the build info, else unknown", flag.String())
+	}
+}
