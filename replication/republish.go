@@ -29,7 +29,7 @@ func (l *loop) republish(ctx context.Context, failed int, cause error) error {
 			return err
 		}
 		wait := bo.NextBackOff()
-		l.log.Warn().Err(cause).Int("failed", failed).Int("attempt", attempt).Dur("backoff", wait).
+		l.log.Warn().Err(cause).Int("failed", failed).Int("attempt", attempt).Stringer("backoff", wait).
 			Msg("publish failed: republishing from the first unacked event, in order")
 		if err := l.idle(ctx, time.Now().Add(wait)); err != nil {
 			return err

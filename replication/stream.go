@@ -190,7 +190,7 @@ func (s *Streamer) Run(ctx context.Context) error {
 		if isSlotInUse(err) {
 			// Another instance streams: stand by and take over when it goes.
 			if s.State() != metrics.StateStandby {
-				s.log.Info().Err(err).Dur("retry", s.cfg.StandbyRetry).Msg("another instance holds the slot: standing by")
+				s.log.Info().Err(err).Stringer("retry", s.cfg.StandbyRetry).Msg("another instance holds the slot: standing by")
 			}
 			s.setState(metrics.StateStandby)
 			bo.Reset()
@@ -202,7 +202,7 @@ func (s *Streamer) Run(ctx context.Context) error {
 			wait = bo.NextBackOff()
 			s.setState(metrics.StateReconnecting)
 			s.cfg.Metrics.Reconnects.WithLabelValues("postgres").Inc()
-			s.log.Warn().Err(err).Int("attempt", attempt).Dur("backoff", wait).Msg("replication session ended, reconnecting")
+			s.log.Warn().Err(err).Int("attempt", attempt).Stringer("backoff", wait).Msg("replication session ended, reconnecting")
 		}
 		select {
 		case <-ctx.Done():

@@ -2,8 +2,12 @@ package main
 
 import (
 	"bytes"
+	"encoding/json"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/rs/zerolog"
 )
 
 // TestBareBooleanFlags: the boolean flags may be written bare, as the
@@ -42,5 +46,25 @@ func TestVersionFlag(t *testing.T) {
 	}
 	if !strings.Contains(flag.String(), "(commit ") || strings.Contains(flag.String(), "commit none") {
 		t.Fatalf("version line %q: want a commit from the link flags or the build info, else unknown", flag.String())
+	}
+}
+
+// TestLogLineTimeAndDurations: JSON log lines carry their time to the
+// nanosecond (RFC 3339, UTC) and durations as durations ("1.5s").
+func TestLogLineTimeAndDurations(t *testing.T) {
+	var buf bytes.Buffer
+	log := newLogger(Config{LogLevel: zerolog.InfoLevel}, &buf)
+	log.Info().Stringer("backoff", 1500*time.Millisecond).Msg("x")
+	var line map[string]any
+	if err := json.Unmarshal(buf.Bytes(), &line); err != nil {
+		t.Fatalf("%v: %s", err, buf.String())
+	}
+	ts, _ := line["time"].(string)
+	parsed, err := time.Parse(time.RFC3339Nano, ts)
+	if err != nil || !strings.Contains(ts, ".") || !strings.HasSuffix(ts, "Z") || time.Since(parsed) > time.Minute {
+		t.Fatalf("time %q (%v): want RFC 3339 in UTC with sub-seconds", ts, err)
+	}
+	if line["backoff"] != "1.5s" {
+		t.Fatalf("backoff %v, want 1.5s", line["backoff"])
 	}
 }

@@ -225,7 +225,7 @@ func (r *repairer) run(ctx context.Context) (int, error) {
 	}
 	elapsed := time.Since(st.started)
 	rate := float64(st.Published.Load()+st.Skipped.Load()) / elapsed.Seconds()
-	r.log.Info().Int64("published", st.Published.Load()).Int64("skipped", st.Skipped.Load()).Dur("elapsed", elapsed).
+	r.log.Info().Int64("published", st.Published.Load()).Int64("skipped", st.Skipped.Load()).Stringer("elapsed", elapsed).
 		Float64("rows_per_second", rate).Str("lsn", rep.ConsistentPoint.String()).Msg("repair done: the stream holds every row of the snapshot; jetbox run streams the rest from the slot")
 	fmt.Fprintf(r.stderr, "jetbox repair: done: %d rows published, %d already in the stream, in %s (%.0f rows/s); start jetbox run\n",
 		st.Published.Load(), st.Skipped.Load(), elapsed.Round(time.Millisecond), rate)

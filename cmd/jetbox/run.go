@@ -190,7 +190,7 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 		if errors.As(err, &ie) && ops != nil && cfg.FinalScrapeWait > 0 {
 			// A restart stops on the same row: nothing is lost by staying
 			// until Prometheus has the count (JetboxInvalidRows).
-			log.Info().Dur("final_scrape_wait", cfg.FinalScrapeWait).Msg("waiting for a scrape of /metrics before exiting")
+			log.Info().Stringer("final_scrape_wait", cfg.FinalScrapeWait).Msg("waiting for a scrape of /metrics before exiting")
 			scraped := ops.awaitScrape(ctx, cfg.FinalScrapeWait)
 			log.Info().Bool("scraped", scraped).Msg("exiting")
 		}
@@ -221,7 +221,16 @@ func newLogger(cfg Config, stdout io.Writer) zerolog.Logger {
 	if cfg.LogConsole {
 		w = zerolog.ConsoleWriter{Out: stdout, TimeFormat: time.RFC3339Nano}
 	}
-	return zerolog.New(w).Level(cfg.LogLevel).With().Timestamp().Str("service", "jetbox").Logger()
+	return zerolog.New(w).Level(cfg.LogLevel).Hook(logTime{}).With().Str("service", "jetbox").Logger()
+}
+
+// logTime stamps every log line with its time in UTC to the nanosecond
+// (RFC 3339), not zerolog's default whole seconds, without changing
+// zerolog's package-wide time format.
+type logTime struct{}
+
+func (logTime) Run(e *zerolog.Event, _ zerolog.Level, _ string) {
+	e.Str(zerolog.TimestampFieldName, time.Now().UTC().Format(time.RFC3339Nano))
 }
 
 // sinkAdapter lets *sink.Publisher serve as replication.Sink; with atomic
@@ -287,7 +296,7 @@ func preflight(ctx context.Context, cfg Config, log zerolog.Logger) (*nats.Conn,
 			// another instance raced us): check everything again.
 			r.nc.Close()
 			wait := bo.NextBackOff()
-			log.Warn().Err(err).Dur("backoff", wait).Msg("set-up interrupted, checking again")
+			log.Warn().Err(err).Stringer("backoff", wait).Msg("set-up interrupted, checking again")
 			select {
 			case <-ctx.Done():
 				return nil, nil, ctx.Err()
@@ -301,7 +310,7 @@ func preflight(ctx context.Context, cfg Config, log zerolog.Logger) (*nats.Conn,
 		errs := r.errors()
 		if !check.Fatal(r.findings) && len(r.unreachable) > 0 {
 			wait := bo.NextBackOff()
-			log.Warn().Err(errors.Join(errs...)).Dur("backoff", wait).Msg("waiting for servers")
+			log.Warn().Err(errors.Join(errs...)).Stringer("backoff", wait).Msg("waiting for servers")
 			select {
 			case <-ctx.Done():
 				return nil, nil, ctx.Err()

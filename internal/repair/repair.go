@@ -284,7 +284,7 @@ func (r *runner) recover(ctx context.Context) error {
 		}
 		r.tr.FailPending(errAbandoned)
 		r.backoff = min(max(2*r.backoff, 200*time.Millisecond), r.cfg.MaxBackoff)
-		r.cfg.Log.Warn().Err(cause).Int("failed", n).Int("attempt", attempt).Dur("backoff", r.backoff).
+		r.cfg.Log.Warn().Err(cause).Int("failed", n).Int("attempt", attempt).Stringer("backoff", r.backoff).
 			Msg("publish failed: republishing from the first unacked row, in order")
 		if err := sleep(ctx, r.backoff); err != nil {
 			return err
@@ -370,7 +370,7 @@ func (r *runner) open(ctx context.Context) error {
 			return err
 		}
 		r.backoff = min(max(2*r.backoff, 200*time.Millisecond), r.cfg.MaxBackoff)
-		r.cfg.Log.Warn().Err(err).Dur("backoff", r.backoff).Msg("open publishing session")
+		r.cfg.Log.Warn().Err(err).Stringer("backoff", r.backoff).Msg("open publishing session")
 		if err := sleep(ctx, r.backoff); err != nil {
 			return err
 		}
