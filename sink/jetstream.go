@@ -44,6 +44,9 @@ import (
 type Config struct {
 	Stream        string // stream name, e.g. "OUTBOX"
 	SubjectPrefix string // subjects are "<prefix>.>"
+	// JSDomain is the JetStream domain of the stream ("" for the server's
+	// own JetStream): its API is then $JS.<domain>.API.
+	JSDomain string
 	// SubjectFilter matches every subject the subject template produces
 	// (decoder.Template.Filter, under SubjectPrefix); check reports it.
 	SubjectFilter string
@@ -128,7 +131,7 @@ func New(nc *nats.Conn, cfg Config, log zerolog.Logger) (*Publisher, error) {
 	if cfg.Metrics == nil {
 		cfg.Metrics = metrics.New()
 	}
-	js, err := jetstream.New(nc,
+	js, err := NewJetStream(nc, cfg.JSDomain,
 		jetstream.WithPublishAsyncTimeout(cfg.PublishTimeout),
 		// Above the tracker's window so the client's own stall never triggers.
 		jetstream.WithPublishAsyncMaxPending(cfg.MaxPending*2+16),
@@ -151,6 +154,15 @@ func New(nc *nats.Conn, cfg Config, log zerolog.Logger) (*Publisher, error) {
 		nc.RemoveStatusListener(closed)
 	}
 	return p, nil
+}
+
+// NewJetStream is a JetStream context on nc for domain ("" for the
+// server's own JetStream).
+func NewJetStream(nc *nats.Conn, domain string, opts ...jetstream.JetStreamOpt) (jetstream.JetStream, error) {
+	if domain == "" {
+		return jetstream.New(nc, opts...)
+	}
+	return jetstream.NewWithDomain(nc, domain, opts...)
 }
 
 // Closed is closed once the connection is CLOSED for good: nothing can be

@@ -77,6 +77,8 @@ type RunFlags struct {
 	NatsTLSCA       string `name:"nats-tls-ca" env:"JETBOX_NATS_TLS_CA" help:"CA certificate(s) to verify the NATS server, PEM." placeholder:"FILE"`
 	NatsTLSCert     string `name:"nats-tls-cert" env:"JETBOX_NATS_TLS_CERT" help:"Client certificate for NATS, PEM (with --nats-tls-key)." placeholder:"FILE"`
 	NatsTLSKey      string `name:"nats-tls-key" env:"JETBOX_NATS_TLS_KEY" help:"Client key for NATS, PEM." placeholder:"FILE"`
+	NatsInboxPrefix string `name:"nats-inbox-prefix" env:"JETBOX_NATS_INBOX_PREFIX" help:"Prefix of the reply subjects jetbox subscribes to (PubAcks, JetStream API replies) instead of _INBOX, for accounts that allow subscribing only under it." placeholder:"PREFIX"`
+	NatsJSDomain    string `name:"nats-js-domain" env:"JETBOX_NATS_JS_DOMAIN" help:"JetStream domain of the stream, for a stream in a hub reached through a leafnode (its API is $JS.<domain>.API)." placeholder:"DOMAIN"`
 	NatsMaxCtlLine  string `name:"nats-max-control-line" env:"JETBOX_NATS_MAX_CONTROL_LINE" default:"${default_nats_max_control_line}" help:"The NATS server's max_control_line (servers do not announce it): a row whose subject would not fit, with the reply and sizes, is invalid (bad-subject) instead of making the server close the connection."`
 	Table           string `name:"table" env:"JETBOX_TABLE" default:"public.outbox" help:"Outbox table, schema.name."`
 	Slot            string `name:"slot" env:"JETBOX_SLOT" default:"jetbox" help:"Logical replication slot (created if missing)."`
@@ -149,7 +151,12 @@ type Config struct {
 type NATSAuth struct {
 	Creds, NKey, User, Password, Token string
 	TLSCA, TLSCert, TLSKey             string
-	TLSFirst                           bool // TLS before the server's INFO (a context's tls_first)
+	TLSFirst                           bool   // TLS before the server's INFO (a context's tls_first)
+	UserJWT, UserSeed                  string // a context's user_jwt and user_seed
+	InboxPrefix                        string // the reply subjects' prefix (nats.CustomInboxPrefix)
+	// Name is the connection's name in the server's reports:
+	// jetbox/<slot>/<hostname>, so instances can be told apart.
+	Name string
 }
 
 // ConfigError is one invalid setting, with how to fix it.
@@ -193,7 +200,9 @@ func (f *RunFlags) Config() (Config, error) {
 	n := f.natsFlags(bad)
 	c := Config{PostgresURL: f.PostgresURL, NatsURL: n.URL, HTTPAddr: f.HTTPAddr, NATS: NATSAuth{
 		Creds: n.Creds, NKey: n.NKey, User: n.User, Password: n.Password, Token: n.Token,
-		TLSCA: n.TLSCA, TLSCert: n.TLSCert, TLSKey: n.TLSKey, TLSFirst: n.TLSFirst}}
+		TLSCA: n.TLSCA, TLSCert: n.TLSCert, TLSKey: n.TLSKey, TLSFirst: n.TLSFirst, UserJWT: n.UserJWT, UserSeed: n.UserSeed,
+		InboxPrefix: n.InboxPrefix, Name: connectionName(f.Slot)}}
+	checkNATSNames(n, f.NatsContext, bad)
 	kinds := 0
 	for _, set := range []bool{f.NatsCreds != "", f.NatsNKey != "", f.NatsUser != "", f.NatsToken != ""} {
 		if set {
@@ -456,7 +465,7 @@ func (f *RunFlags) Config() (Config, error) {
 	c.Sink = sink.Config{Stream: f.Stream, SubjectPrefix: f.SubjectPrefix, DuplicateWindow: dupWindow, StreamSpec: spec,
 		PublishTimeout: publishTimeout, MaxPending: maxInFlight, MaxControlLine: maxCtlLine, OrderGuard: orderGuard, ExactlyOnce: f.Delivery == "exactly-once", DeadLetterSubject: deadLetter,
 		AtomicTransactions: atomicTx, SubjectFilter: filter, SubjectsHoldIDs: subjects != nil && subjects.UsesAggregateID(),
-		IndexScheme: c.Replication.Decoder.IndexScheme()}
+		IndexScheme: c.Replication.Decoder.IndexScheme(), JSDomain: n.JSDomain}
 	c.LogLevel, c.LogConsole = level, f.LogFormat == "console"
 	return c, nil
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"net/url"
 	"os"
+	"strconv"
 	"strings"
 
 	"github.com/alecthomas/kong"
@@ -16,6 +17,8 @@ type natsFlags struct {
 	URL, Creds, NKey, User, Password, Token string
 	TLSCA, TLSCert, TLSKey                  string
 	TLSFirst                                bool
+	InboxPrefix, JSDomain                   string
+	UserJWT, UserSeed                       string          // a context's user_jwt and user_seed
 	fromContext                             map[string]bool // flag name → its value came from the context
 }
 
@@ -27,7 +30,8 @@ const natsContextFix = "name a context of `nats context ls` (a file $XDG_CONFIG_
 // conflict, reported through bad with the other configuration problems.
 func (f *RunFlags) natsFlags(bad func(flag, value, problem, fix string)) natsFlags {
 	n := natsFlags{URL: f.NatsURL, Creds: f.NatsCreds, NKey: f.NatsNKey, User: f.NatsUser, Password: f.NatsPassword,
-		Token: f.NatsToken, TLSCA: f.NatsTLSCA, TLSCert: f.NatsTLSCert, TLSKey: f.NatsTLSKey, fromContext: map[string]bool{}}
+		Token: f.NatsToken, TLSCA: f.NatsTLSCA, TLSCert: f.NatsTLSCert, TLSKey: f.NatsTLSKey,
+		InboxPrefix: f.NatsInboxPrefix, JSDomain: f.NatsJSDomain, fromContext: map[string]bool{}}
 	if f.NatsContext == "" {
 		return n
 	}
@@ -45,9 +49,7 @@ func (f *RunFlags) natsFlags(bad func(flag, value, problem, fix string)) natsFla
 		return n
 	}
 	for _, u := range []struct{ setting, value string }{
-		{"jetstream_domain", nc.JSDomain()}, {"jetstream_api_prefix", nc.JSAPIPrefix()}, {"socks_proxy", nc.SocksProxy()},
-		{"inbox_prefix", nc.InboxPrefix()}, {"user_jwt", nc.UserJWT()}, {"user_seed", nc.UserSeed()},
-		{"windows_cert_store", nc.WindowsCertStore()},
+		{"jetstream_api_prefix", nc.JSAPIPrefix()}, {"socks_proxy", nc.SocksProxy()}, {"windows_cert_store", nc.WindowsCertStore()},
 	} {
 		if u.value != "" {
 			ctxBad("the context sets "+u.setting+", which jetbox does not support", "use a context without it, or the --nats-* flags")
@@ -57,10 +59,10 @@ func (f *RunFlags) natsFlags(bad func(flag, value, problem, fix string)) natsFla
 	// The context's values, by the flag they stand for.
 	ctxVal := map[string]string{"nats-creds": nc.Creds(), "nats-nkey": nc.NKey(), "nats-user": nc.User(),
 		"nats-password": nc.Password(), "nats-token": nc.Token(), "nats-tls-ca": nc.CA(), "nats-tls-cert": nc.Certificate(),
-		"nats-tls-key": nc.Key()}
+		"nats-tls-key": nc.Key(), "nats-inbox-prefix": nc.InboxPrefix(), "nats-js-domain": nc.JSDomain()}
 	refused := false
 	for flag, v := range ctxVal {
-		file := flag != "nats-user" && flag != "nats-password" && flag != "nats-token"
+		file := !plainValueFlags[flag]
 		switch s := refScheme(v); {
 		case s == "file" && file:
 			ctxVal[flag] = strings.TrimPrefix(v, "file://")
@@ -86,6 +88,9 @@ func (f *RunFlags) natsFlags(bad func(flag, value, problem, fix string)) natsFla
 		return kinds
 	}
 	ctxKinds := kind(ctxVal["nats-creds"], ctxVal["nats-nkey"], ctxVal["nats-user"], ctxVal["nats-password"], ctxVal["nats-token"])
+	if nc.UserJWT() != "" || nc.UserSeed() != "" {
+		ctxKinds = append(ctxKinds, "user_jwt/user_seed")
+	}
 	flagKinds := kind(f.NatsCreds, f.NatsNKey, f.NatsUser, f.NatsPassword, f.NatsToken)
 	take := func(flag string, dst *string) {
 		if *dst == "" && ctxVal[flag] != "" {
@@ -105,7 +110,12 @@ func (f *RunFlags) natsFlags(bad func(flag, value, problem, fix string)) natsFla
 		take("nats-user", &n.User)
 		take("nats-password", &n.Password)
 		take("nats-token", &n.Token)
+		if len(flagKinds) == 0 {
+			n.UserJWT, n.UserSeed = nc.UserJWT(), nc.UserSeed()
+		}
 	}
+	take("nats-inbox-prefix", &n.InboxPrefix)
+	take("nats-js-domain", &n.JSDomain)
 	take("nats-tls-ca", &n.TLSCA)
 	if f.NatsTLSCert == "" && f.NatsTLSKey == "" { // a pair: from the flags or from the context
 		take("nats-tls-cert", &n.TLSCert)
@@ -117,6 +127,9 @@ func (f *RunFlags) natsFlags(bad func(flag, value, problem, fix string)) natsFla
 	}
 	return n
 }
+
+// plainValueFlags are the context settings that are values, not files.
+var plainValueFlags = map[string]bool{"nats-user": true, "nats-password": true, "nats-token": true, "nats-inbox-prefix": true, "nats-js-domain": true}
 
 // resolverSchemes are the reference schemes natscontext resolves in a
 // context's secrets (env://, op://, nsc://, data:, file://); other values
@@ -158,4 +171,44 @@ func (f *RunFlags) clearDefaultNatsURL(kctx *kong.Context) {
 		}
 	}
 	f.NatsURL = ""
+}
+
+// connectionName is the NATS connection name of an instance reading slot:
+// jetbox/<slot>/<hostname>, so `nats server report connections` tells
+// instances apart.
+func connectionName(slot string) string {
+	host, err := os.Hostname()
+	if err != nil || host == "" {
+		host = "unknown-host"
+	}
+	return "jetbox/" + slot + "/" + host
+}
+
+// checkNATSNames reports an inbox prefix or a JetStream domain the server
+// would refuse (given as a flag or in the context).
+func checkNATSNames(n natsFlags, context string, bad func(flag, value, problem, fix string)) {
+	report := func(flag, value, problem, fix string) {
+		if n.fromContext[flag] {
+			bad("nats-context", context, "its "+strings.TrimPrefix(flag, "nats-")+" "+strconv.Quote(value)+": "+problem, fix)
+			return
+		}
+		bad(flag, value, problem, fix)
+	}
+	if p := n.InboxPrefix; p != "" && !validSubject(p) {
+		report("nats-inbox-prefix", p, "not a subject without wildcards", "use dot-separated tokens without spaces, * or >, e.g. _INBOX_jetbox")
+	}
+	if d := n.JSDomain; d != "" && (strings.Contains(d, ".") || !validSubject(d)) {
+		report("nats-js-domain", d, "not a single subject token", "use the domain name of the server's jetstream block, e.g. hub")
+	}
+}
+
+// validSubject reports whether s is a subject of non-empty tokens without
+// wildcards or whitespace.
+func validSubject(s string) bool {
+	for _, tok := range strings.Split(s, ".") {
+		if tok == "" || tok == "*" || tok == ">" || strings.ContainsAny(tok, " \t\r\n*>") {
+			return false
+		}
+	}
+	return true
 }

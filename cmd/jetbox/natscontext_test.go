@@ -79,7 +79,9 @@ func TestNATSContextFlags(t *testing.T) {
 		"ca": ca, "cert": "file://" + cert, "key": key, "tls_first": true})
 	writeNATSContext(t, xdg, "creds", map[string]any{"url": "tls://a.example:4222,tls://b.example:4222", "creds": creds})
 	writeNATSContext(t, xdg, "gone", map[string]any{"creds": filepath.Join(files, "missing.creds")})
-	writeNATSContext(t, xdg, "domain", map[string]any{"token": "t", "jetstream_domain": "hub"})
+	writeNATSContext(t, xdg, "domain", map[string]any{"token": "t", "jetstream_domain": "hub", "inbox_prefix": "_INBOX_app"})
+	writeNATSContext(t, xdg, "baddomain", map[string]any{"token": "t", "jetstream_domain": "a.b"})
+	writeNATSContext(t, xdg, "apiprefix", map[string]any{"token": "t", "jetstream_api_prefix": "$JS.x.API"})
 	writeNATSContext(t, xdg, "envref", map[string]any{"user": "app", "password": "env://NATS_PW"})
 	writeNATSContext(t, xdg, "two", map[string]any{"user": "app", "password": "p", "nkey": key})
 	bad := filepath.Join(xdg, "nats", "context", "broken.json")
@@ -91,7 +93,7 @@ func TestNATSContextFlags(t *testing.T) {
 	if len(errs) > 0 {
 		t.Fatalf("context pw: %v", errs)
 	}
-	want := NATSAuth{User: "app", Password: "ctx-pw", TLSCA: ca, TLSCert: cert, TLSKey: key, TLSFirst: true}
+	want := NATSAuth{User: "app", Password: "ctx-pw", TLSCA: ca, TLSCert: cert, TLSKey: key, TLSFirst: true, Name: connectionName("jetbox")}
 	if cfg.NatsURL != "nats://ctx.example:4222" || cfg.NATS != want {
 		t.Fatalf("context pw: url %q, auth %+v; want the context's %+v", cfg.NatsURL, cfg.NATS, want)
 	}
@@ -115,7 +117,14 @@ func TestNATSContextFlags(t *testing.T) {
 		t.Fatalf("context by path: auth %+v, errors %v", cfg.NATS, errs)
 	}
 	// Without --nats-context nothing changes.
-	if cfg, errs = parseRun(t); len(errs) > 0 || cfg.NatsURL != nats.DefaultURL || cfg.NATS != (NATSAuth{}) {
+	// A domain and an inbox prefix from the context.
+	if cfg, errs = parseRun(t, "--nats-context=domain"); len(errs) > 0 || cfg.Sink.JSDomain != "hub" || cfg.NATS.InboxPrefix != "_INBOX_app" || cfg.NATS.Token != "t" {
+		t.Fatalf("context domain: domain %q, auth %+v, errors %v", cfg.Sink.JSDomain, cfg.NATS, errs)
+	}
+	if cfg, errs = parseRun(t, "--nats-context=domain", "--nats-js-domain=leaf", "--nats-inbox-prefix=_INBOX_flag"); len(errs) > 0 || cfg.Sink.JSDomain != "leaf" || cfg.NATS.InboxPrefix != "_INBOX_flag" {
+		t.Fatalf("flags over the context's domain: domain %q, auth %+v, errors %v", cfg.Sink.JSDomain, cfg.NATS, errs)
+	}
+	if cfg, errs = parseRun(t); len(errs) > 0 || cfg.NatsURL != nats.DefaultURL || cfg.NATS != (NATSAuth{Name: connectionName("jetbox")}) {
 		t.Fatalf("no context: url %q, auth %+v, errors %v", cfg.NatsURL, cfg.NATS, errs)
 	}
 
@@ -129,7 +138,10 @@ func TestNATSContextFlags(t *testing.T) {
 		{[]string{"--nats-context=broken"}, "nats-context", "cannot load"},
 		{[]string{"--nats-context=adir"}, "nats-context", "cannot load"},
 		{[]string{"--nats-context=gone"}, "nats-context", "its creds file"},
-		{[]string{"--nats-context=domain"}, "nats-context", "jetstream_domain"},
+		{[]string{"--nats-context=apiprefix"}, "nats-context", "jetstream_api_prefix"},
+		{[]string{"--nats-context=baddomain"}, "nats-context", "js-domain \"a.b\": not a single subject token"},
+		{[]string{"--nats-js-domain=a b"}, "nats-js-domain", "not a single subject token"},
+		{[]string{"--nats-inbox-prefix=_INBOX.*"}, "nats-inbox-prefix", "not a subject without wildcards"},
 		{[]string{"--nats-context=envref"}, "nats-context", "env:// reference"},
 		{[]string{"--nats-context=two"}, "nats-context", "more than one credential kind"},
 		{[]string{"--nats-context=pw", "--nats-url=embedded", "--nats-store-dir=" + files}, "nats-context", "embedded"},

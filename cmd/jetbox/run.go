@@ -342,7 +342,7 @@ func ensureAll(ctx context.Context, cfg Config, pub *sink.Publisher, log zerolog
 func connectNATS(cfg Config, log zerolog.Logger, asyncErr func(error)) (*nats.Conn, error) {
 	nlog := log.With().Str("component", "nats").Logger()
 	opts := []nats.Option{
-		nats.Name("jetbox"),
+		nats.Name(cfg.NATS.Name),
 		nats.MaxReconnects(-1),    // never reach CLOSED: pending acks would hang
 		nats.ReconnectBufSize(-1), // publishing while disconnected fails at once
 		nats.ReconnectWait(500 * time.Millisecond),
@@ -388,6 +388,12 @@ func connectNATS(cfg Config, log zerolog.Logger, asyncErr func(error)) (*nats.Co
 	}
 	if a.TLSFirst {
 		opts = append(opts, nats.TLSHandshakeFirst())
+	}
+	if a.UserJWT != "" {
+		opts = append(opts, nats.UserJWTAndSeed(a.UserJWT, a.UserSeed))
+	}
+	if a.InboxPrefix != "" {
+		opts = append(opts, nats.CustomInboxPrefix(a.InboxPrefix))
 	}
 	return nats.Connect(cfg.NatsURL, opts...)
 }

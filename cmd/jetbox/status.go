@@ -7,7 +7,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/nats-io/nats.go/jetstream"
+	"github.com/jetbox-dev/jetbox/sink"
 	"github.com/rs/zerolog"
 )
 
@@ -79,7 +79,7 @@ func (c *statusCmd) run(ctx context.Context, stdout, stderr io.Writer) int {
 		return exitFailure
 	}
 	defer nc.Close()
-	js, err := jetstream.New(nc)
+	js, err := sink.NewJetStream(nc, cfg.Sink.JSDomain)
 	if err != nil {
 		say("nats         %v", err)
 		return exitFailure

@@ -24,6 +24,11 @@ type Options struct {
 	// PublishAllow, with Username, limits what the user may publish to
 	// these subjects (plus replies to its requests).
 	PublishAllow []string
+	// SubscribeAllow, with Username, limits what the user may subscribe
+	// to (nil: anything).
+	SubscribeAllow []string
+	// JetStreamDomain names the server's JetStream domain ($JS.<domain>.API).
+	JetStreamDomain string
 }
 
 // Start starts a server and waits until it serves clients.
@@ -42,11 +47,19 @@ func Start(o Options) (*server.Server, error) {
 	so := &server.Options{
 		Host: o.Host, Port: o.Port, JetStream: true, StoreDir: o.StoreDir, MaxPayload: o.MaxPayload,
 		NoLog: true, NoSigs: true, MaxControlLine: 4096, Username: o.Username, Password: o.Password,
+		JetStreamDomain: o.JetStreamDomain,
 	}
-	if o.PublishAllow != nil {
+	if o.PublishAllow != nil || o.SubscribeAllow != nil {
+		pub, sub := o.PublishAllow, o.SubscribeAllow
+		if pub == nil {
+			pub = []string{">"}
+		}
+		if sub == nil {
+			sub = []string{">"}
+		}
 		so.Username, so.Password = "", ""
 		so.Users = []*server.User{{Username: o.Username, Password: o.Password, Permissions: &server.Permissions{
-			Publish: &server.SubjectPermission{Allow: o.PublishAllow}, Subscribe: &server.SubjectPermission{Allow: []string{">"}},
+			Publish: &server.SubjectPermission{Allow: pub}, Subscribe: &server.SubjectPermission{Allow: sub},
 		}}}
 	}
 	if o.TLS != nil {

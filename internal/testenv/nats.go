@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -48,6 +49,16 @@ func WithPublishAllow(subjects ...string) NATSOption {
 	return func(o *natsembed.Options) { o.PublishAllow = subjects }
 }
 
+// WithSubscribeAllow lets the user of WithUser subscribe only to these subjects.
+func WithSubscribeAllow(subjects ...string) NATSOption {
+	return func(o *natsembed.Options) { o.SubscribeAllow = subjects }
+}
+
+// WithJetStreamDomain names the server's JetStream domain.
+func WithJetStreamDomain(domain string) NATSOption {
+	return func(o *natsembed.Options) { o.JetStreamDomain = domain }
+}
+
 // StartNATS starts a server for the test; cleanup shuts it down.
 func StartNATS(t testing.TB, opts ...NATSOption) *NATS {
 	t.Helper()
@@ -85,8 +96,8 @@ func (n *NATS) Start() {
 
 // startExternal runs a nats-server binary with the same options.
 func (n *NATS) startExternal(bin string) {
-	if n.opts.TLS != nil {
-		n.t.Skip("TLS tests run against the embedded server only")
+	if n.opts.TLS != nil || n.opts.PublishAllow != nil || n.opts.SubscribeAllow != nil || n.opts.JetStreamDomain != "" {
+		n.t.Skip("TLS, permission and domain tests run against the embedded server only")
 	}
 	conf := fmt.Sprintf("listen: 127.0.0.1:%d\njetstream { store_dir: %q }\n", n.opts.Port, n.opts.StoreDir)
 	if n.opts.MaxPayload > 0 {
@@ -167,6 +178,24 @@ func (n *NATS) RestartWith(opts ...NATSOption) {
 	n.Start()
 }
 
+// ConnectionNames returns the names of the clients connected to the
+// embedded server.
+func (n *NATS) ConnectionNames(t testing.TB) []string {
+	t.Helper()
+	if n.srv == nil {
+		t.Skip("connection names are read from the embedded server")
+	}
+	cz, err := n.srv.Connz(&server.ConnzOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, c := range cz.Conns {
+		names = append(names, c.Name)
+	}
+	return names
+}
+
 // Connect returns a client connection closed at cleanup, and its JetStream.
 func (n *NATS) Connect(t testing.TB) (*nats.Conn, jetstream.JetStream) {
 	t.Helper()
@@ -174,12 +203,18 @@ func (n *NATS) Connect(t testing.TB) (*nats.Conn, jetstream.JetStream) {
 	if n.opts.Username != "" && n.opts.TLS == nil {
 		opts = append(opts, nats.UserInfo(n.opts.Username, n.opts.Password))
 	}
+	if len(n.opts.SubscribeAllow) > 0 { // the user's replies go where it may subscribe
+		opts = append(opts, nats.CustomInboxPrefix(strings.TrimSuffix(n.opts.SubscribeAllow[0], ".>")))
+	}
 	nc, err := nats.Connect(n.URL, opts...)
 	if err != nil {
 		t.Fatalf("connect to nats: %v", err)
 	}
 	t.Cleanup(nc.Close)
 	js, err := jetstream.New(nc)
+	if n.opts.JetStreamDomain != "" {
+		js, err = jetstream.NewWithDomain(nc, n.opts.JetStreamDomain)
+	}
 	if err != nil {
 		t.Fatal(err)
 	}
