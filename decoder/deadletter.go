@@ -55,7 +55,7 @@ func (c Config) DeadLetter(ev *Event, cause *InvalidEventError) Event {
 		{HeaderDeadLetterError, escape(cause.Error(), 1024)},
 		{HeaderDeadLetterReason, cause.Code},
 		{HeaderOriginalSubject, escape(orig, 512)},
-		{HeaderRowID, escape(ev.ID, 256)},
+		{HeaderRowID, RowIDHeader(ev.ID)},
 	}
 	source := map[string]any{"table": c.Schema + "." + c.Table}
 	if ev.messagePrefix != "" {
@@ -85,6 +85,9 @@ func (c Config) DeadLetter(ev *Event, cause *InvalidEventError) Event {
 func DeadLetterID(commitLSN pglogrepl.LSN, txIndex int) string {
 	return fmt.Sprintf("jetbox-dlq-%s-%d", commitLSN, txIndex)
 }
+
+// RowIDHeader is the Jetbox-Row-Id value of a dead letter of the row with id.
+func RowIDHeader(id string) string { return escape(id, 256) }
 
 // escape makes s safe as a header value: printable, valid UTF-8, at most
 // max bytes, anything else written as a Go escape (\n, \x00...), and

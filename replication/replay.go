@@ -67,9 +67,11 @@ func (r *tipReplay) event(lsn pglogrepl.LSN, index int, id string) error {
 
 // invalid checks a replayed row that cannot be published now but that the
 // stream holds (see loop.decodeFailed): at the tip's position the stream
-// may hold its dead letter, whose id is derived from the position.
+// may hold its dead letter, whose id is derived from the position; it
+// names the row it stands for (Jetbox-Row-Id), which must be this one.
 func (r *tipReplay) invalid(lsn pglogrepl.LSN, index int, rowID string) error {
-	if r.holding() && lsn == r.tip.CommitLSN && index == r.tip.TxIndex && r.tip.ID == decoder.DeadLetterID(lsn, index) {
+	if r.holding() && lsn == r.tip.CommitLSN && index == r.tip.TxIndex && r.tip.ID == decoder.DeadLetterID(lsn, index) &&
+		(rowID == "" || r.tip.RowID == "" || r.tip.RowID == decoder.RowIDHeader(rowID)) {
 		r.pending = false
 		return nil
 	}

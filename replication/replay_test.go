@@ -2,6 +2,7 @@ package replication
 
 import (
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -190,6 +191,7 @@ func TestReplayOfADeadLetteredRowUnderStop(t *testing.T) {
 		{"held, the tip after it", true, nil, ""},
 		{"not held", false, nil, "invalid"},
 		{"held, another id at the tip", true, func(txn) string { return "other-row" }, "rewind"},
+		{"held, the tip another row's dead letter", true, func(x txn) string { return decoder.DeadLetterID(x.commit, 1) + "|other-row" }, "rewind"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			sink := &fakeSink{}
@@ -201,7 +203,8 @@ func TestReplayOfADeadLetteredRowUnderStop(t *testing.T) {
 			h.mu.Unlock()
 			sink.held = func(lsn pglogrepl.LSN, index int) bool { return c.held && lsn == x.commit && index <= 1 }
 			if c.tipID != nil {
-				sink.tip = &StreamTip{Seq: 40, Source: fakeSource, CommitLSN: x.commit, TxIndex: 1, ID: c.tipID(x)}
+				id, rowID, _ := strings.Cut(c.tipID(x), "|")
+				sink.tip = &StreamTip{Seq: 40, Source: fakeSource, CommitLSN: x.commit, TxIndex: 1, ID: id, RowID: rowID}
 			} else {
 				sink.tip = &StreamTip{Seq: 40, Source: fakeSource, CommitLSN: x.commit, TxIndex: 0, ID: x.ids[0]}
 			}

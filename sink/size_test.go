@@ -5,7 +5,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pglogrepl"
 	"github.com/jetbox-dev/jetbox/decoder"
+	"github.com/jetbox-dev/jetbox/internal/metrics"
 	"github.com/nats-io/nats.go"
 )
 
@@ -28,5 +30,43 @@ func TestMessageSize(t *testing.T) {
 		if got, want := p.MessageSize(ev), msg.Size()-len(msg.Subject); got != want {
 			t.Errorf("MessageSize %d, nats.go counts %d (headers %v)", got, want, h)
 		}
+	}
+}
+
+// TestSkipHeldTrustsOnlyExactlyOnceResume: a row that cannot be published
+// is skipped as held only where exactly-once resume proved the stream
+// holds every event of this source up to its last one: not after an
+// accepted lost history (a watermark of the abandoned one proves nothing),
+// and never in dedup mode (a run without the order guard may have left a
+// gap before the tip).
+func TestSkipHeldTrustsOnlyExactlyOnceResume(t *testing.T) {
+	const src = "7300000000000000001/1/app/jetbox"
+	tip := Position{CommitLSN: 0x5000, TxIndex: 3}
+	for _, c := range []struct {
+		name   string
+		exact  bool
+		forget bool
+		at     Position
+		want   bool
+	}{
+		{"exactly-once, before the tip", true, false, Position{CommitLSN: 0x3000}, true},
+		{"exactly-once, at the tip", true, false, tip, true},
+		{"exactly-once, past the tip", true, false, Position{CommitLSN: 0x5000, TxIndex: 4}, false},
+		{"exactly-once, after an accepted lost history", true, true, Position{CommitLSN: 0x3000}, false},
+		{"dedup, before the tip", false, false, Position{CommitLSN: 0x3000}, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			p := &Publisher{cfg: Config{ExactlyOnce: c.exact, OrderGuard: true, Metrics: metrics.New()}}
+			p.replays = replays{source: src, hasWM: true, wm: watermark{Seq: 90, CommitLSN: tip.CommitLSN, TxIndex: tip.TxIndex}}
+			cur := cursor{seq: 90, pos: tip, watermark: true, skip: c.exact, chain: c.exact}
+			if c.forget {
+				p.ForgetHistory(90, src, Position{CommitLSN: 0x1000})
+				cur = cursor{seq: 90} // what resume gives after it
+			}
+			s := &Session{p: p, source: src, cur: cur}
+			if got := s.SkipHeld(pglogrepl.LSN(c.at.CommitLSN), c.at.TxIndex); got != c.want {
+				t.Fatalf("SkipHeld(%v) = %v, want %v", c.at, got, c.want)
+			}
+		})
 	}
 }

@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -162,6 +163,14 @@ func TestDeadLetteredRowReplayedUnderStop(t *testing.T) {
 	f.pg.Exec(t, "SELECT pg_drop_replication_slot('jetbox_before')")
 
 	p = f.start() // --on-invalid=stop
+	if os.Getenv("JETBOX_TEST_DELIVERY") == "dedup" {
+		// Dedup mode cannot prove the stream holds the row by its position:
+		// it stops, and the way out is one run with dead letters on.
+		if code := p.wait(time.Minute); code != exitFailure || !strings.Contains(p.logText(), "r-space") {
+			t.Fatalf("dedup mode: exit %d, want 1 naming r-space: %s", code, p.tail(2048))
+		}
+		p = f.start("JETBOX_ON_INVALID=dead-letter")
+	}
 	f.waitStreaming(p)
 	f.pg.Exec(t, good("good-3"))
 	f.waitCount(4, time.Minute)
@@ -180,7 +189,7 @@ func TestDeadLetteredRowReplayedUnderStop(t *testing.T) {
 	if st := stoppedLine(t, p.logText()); st["duplicates"].(float64) < 2 {
 		t.Fatalf("the restart skipped %v replayed events, want 2 or more (the test did not test the replay)", st["duplicates"])
 	}
-	if !strings.Contains(p.logText(), "which the stream already holds") {
+	if os.Getenv("JETBOX_TEST_DELIVERY") != "dedup" && !strings.Contains(p.logText(), "which the stream already holds") {
 		t.Fatalf("no log line for the skipped dead-lettered row:\n%s", p.tail(4096))
 	}
 }
