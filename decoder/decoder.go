@@ -139,6 +139,11 @@ type Message struct {
 	// Ignored is set (with KindNone) on a logical decoding message that
 	// publishes nothing: one of the Ignored* reasons.
 	Ignored string
+	// Partition is set (with KindEvent) on the first row of a partition of
+	// the outbox ("schema.name") since its Relation message: pgoutput names
+	// the outbox's rows after their partition (the publication lacks
+	// publish_via_partition_root), and they are decoded as outbox rows.
+	Partition string
 }
 
 // Event is one outbox row ready to publish.
@@ -198,6 +203,9 @@ type Decoder struct {
 	relations map[uint32]*relation
 	outbox    OutboxIdentity
 	domains   Domains
+	// partitions: the OIDs of the outbox's partitions (see SetPartitions).
+	partitions map[uint32]bool
+	lookup     PartitionLookup
 
 	inTxn      bool
 	commitLSN  pglogrepl.LSN
@@ -218,6 +226,25 @@ func New(cfg Config) *Decoder {
 // on a Relation message for the outbox in a transaction committed after
 // id.LSN with another OID is an error wrapping ErrTableReplaced.
 func (d *Decoder) SetOutbox(id OutboxIdentity) { d.outbox = id }
+
+// PartitionLookup reports whether the relation with OID oid, named name
+// ("schema.table"), is a partition of the outbox, at any depth. An error
+// fails the Decode that asked.
+type PartitionLookup func(oid uint32, name string) (bool, error)
+
+// SetPartitions tells the decoder the OIDs of a partitioned outbox's
+// partitions. A publication without publish_via_partition_root makes
+// pgoutput name the outbox's rows after the leaf partition each is stored
+// in: the decoder reads them as outbox rows (a partition has the outbox's
+// columns). Of a Relation message for any other table, lookup (nil: none)
+// is asked whether it is a partition attached since.
+func (d *Decoder) SetPartitions(oids []uint32, lookup PartitionLookup) {
+	d.partitions = make(map[uint32]bool, len(oids))
+	for _, oid := range oids {
+		d.partitions[oid] = true
+	}
+	d.lookup = lookup
+}
 
 // SetDomains sets the domains of the database (see Domains); from then on
 // a Relation message's domain columns are judged, and read, as their base
@@ -277,8 +304,12 @@ func (d *Decoder) Decode(data []byte) (msg Message, err error) {
 		if err := m.Decode(data[1:]); err != nil {
 			return Message{}, fmt.Errorf("%w: %v", ErrProtocol, err)
 		}
-		r := d.newRelation(&m)
-		if r.outbox {
+		part, err := d.isPartition(&m)
+		if err != nil {
+			return Message{}, err
+		}
+		r := d.newRelation(&m, part)
+		if r.outbox && !part {
 			if err := d.checkOutboxOID(m.RelationID); err != nil {
 				return Message{}, err
 			}
@@ -298,6 +329,29 @@ func (d *Decoder) Decode(data []byte) (msg Message, err error) {
 	default:
 		return Message{}, fmt.Errorf("%w: unsupported message type %q (is streaming or two_phase on? jetbox needs both off)", ErrProtocol, data[0])
 	}
+}
+
+// isPartition reports whether a Relation message is for a partition of the
+// outbox (see SetPartitions), asking the lookup about a table it does not know.
+func (d *Decoder) isPartition(m *pglogrepl.RelationMessage) (bool, error) {
+	if d.cfg.Table == "" || m.Namespace == d.cfg.Schema && m.RelationName == d.cfg.Table {
+		return false, nil
+	}
+	if d.partitions[m.RelationID] {
+		return true, nil
+	}
+	if d.lookup == nil {
+		return false, nil
+	}
+	name := m.Namespace + "." + m.RelationName
+	ok, err := d.lookup(m.RelationID, name)
+	if err != nil {
+		return false, fmt.Errorf("tell whether table %s (relation OID %d) is a partition of the outbox %s.%s: %w", name, m.RelationID, d.cfg.Schema, d.cfg.Table, err)
+	}
+	if ok {
+		d.partitions[m.RelationID] = true
+	}
+	return ok, nil
 }
 
 // checkOutboxOID refuses a Relation message for the outbox table whose OID
@@ -339,14 +393,20 @@ func (d *Decoder) decodeInsert(src []byte) (Message, error) {
 	}
 	d.cols = cols // reused: the columns alias data, read only during Decode
 	ev := Event{CommitLSN: d.commitLSN, CommitTime: d.commitTime, TxIndex: index, XID: d.xid, Source: d.source}
+	msg := Message{Kind: KindEvent}
+	if rel.partition && !rel.named {
+		msg.Partition, rel.named = rel.name, true
+	}
 	if err := rel.fill(&ev, cols, &d.cfg); err != nil {
 		err.LSN, err.TxIndex = d.commitLSN, index
 		if d.cfg.DeadLetterSubject == "" || !err.DeadLetterable() {
 			return Message{}, err
 		}
-		return Message{Kind: KindEvent, Event: d.cfg.DeadLetter(&ev, err)}, nil
+		msg.Event = d.cfg.DeadLetter(&ev, err)
+		return msg, nil
 	}
-	return Message{Kind: KindEvent, Event: ev}, nil
+	msg.Event = ev
+	return msg, nil
 }
 
 // column is one tuple column; data aliases the message buffer.

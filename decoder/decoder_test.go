@@ -3,6 +3,7 @@ package decoder
 import (
 	"encoding/binary"
 	"errors"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -483,5 +484,57 @@ func TestSubjectsPerEvent(t *testing.T) {
 				t.Errorf("template %v: row %d with a bad aggregate_type accepted", c.subjects, i)
 			}
 		}
+	}
+}
+
+// TestPartitionRows: with the outbox's partitions set, the inserts of a
+// Relation message named after a partition (a publication without
+// publish_via_partition_root) are outbox rows, numbered with the outbox's
+// in one transaction, whatever the partition's column order; the first row
+// of each such relation names the partition. A table the decoder does not
+// know is looked up once per Relation message; a lookup error fails the
+// Decode; other tables stay ignored. A partition's OID is never taken for a
+// replaced outbox.
+func TestPartitionRows(t *testing.T) {
+	d := newTestDecoder()
+	d.SetOutbox(OutboxIdentity{OID: 5, LSN: 0x100})
+	var asked []uint32
+	lookupErr := errors.New("connection refused")
+	d.SetPartitions([]uint32{11}, func(oid uint32, name string) (bool, error) {
+		asked = append(asked, oid)
+		switch oid {
+		case 12:
+			return name == "public.outbox_new", nil
+		case 13:
+			return false, lookupErr
+		}
+		return false, nil
+	})
+	decode(t, d, beginMsg(0x200, time.Now(), 2))
+	// pgoutput describes the leaves with publish_via_partition_root too.
+	decode(t, d, relationMsg(5, "public", "outbox", outboxCols))
+	decode(t, d, relationMsg(11, "public", "outbox_all", outboxCols))
+	reordered := append([]col{outboxCols[6], outboxCols[3]}, outboxCols[0], outboxCols[1], outboxCols[2], outboxCols[4], outboxCols[5])
+	decode(t, d, relationMsg(12, "public", "outbox_new", reordered))
+	decode(t, d, relationMsg(9, "public", "other", outboxCols))
+	for i, c := range []struct {
+		rel       uint32
+		kind      Kind
+		partition string
+	}{{5, KindEvent, ""}, {11, KindEvent, "public.outbox_all"}, {9, KindNone, ""}, {11, KindEvent, ""}, {5, KindEvent, ""}} {
+		m := decode(t, d, insertMsg(c.rel, s(id1), s("order"), s("o-1"), s("E"), s(`{}`), nil, nil))
+		if m.Kind != c.kind || m.Partition != c.partition || c.kind == KindEvent && m.Event.Subject != "outbox.order.E" {
+			t.Fatalf("row %d of relation %d: %+v", i, c.rel, m)
+		}
+	}
+	m := decode(t, d, insertMsg(12, s("2026-01-01"), s("Moved"), s(id1), s("order"), s("o-1"), s(`{}`), nil))
+	if m.Kind != KindEvent || m.Event.EventType != "Moved" || m.Event.AggregateID != "o-1" || m.Event.TxIndex != 4 || m.Partition != "public.outbox_new" {
+		t.Fatalf("row of the attached partition: %+v", m)
+	}
+	if _, err := d.Decode(relationMsg(13, "public", "outbox_x", outboxCols)); !errors.Is(err, lookupErr) || !strings.Contains(err.Error(), "public.outbox_x") {
+		t.Fatalf("lookup error: %v", err)
+	}
+	if !slices.Equal(asked, []uint32{12, 9, 13}) {
+		t.Fatalf("looked up %v, want 12, 9, 13 (11 is known, 5 is the outbox)", asked)
 	}
 }

@@ -15,6 +15,9 @@ type relation struct {
 	name   string
 	ncols  int
 	outbox bool
+	// partition: a partition of the outbox, whose rows are outbox rows
+	// (see SetPartitions); named: Message.Partition was set on one.
+	partition, named bool
 	// column positions in the tuple; -1 when absent
 	id, aggType, aggID, evType, payload, headers int
 	payloadBytea                                 bool
@@ -115,9 +118,12 @@ func CheckColumns(c Columns, table []TableColumn) (ColumnPositions, []string) {
 	return pos, problems
 }
 
-func (d *Decoder) newRelation(m *pglogrepl.RelationMessage) *relation {
+// newRelation reads a Relation message; partition: the table is a
+// partition of the outbox (see SetPartitions), whose rows are outbox rows.
+func (d *Decoder) newRelation(m *pglogrepl.RelationMessage, partition bool) *relation {
 	r := &relation{name: m.Namespace + "." + m.RelationName, ncols: len(m.Columns)}
-	r.outbox = m.Namespace == d.cfg.Schema && m.RelationName == d.cfg.Table
+	r.partition = partition
+	r.outbox = partition || m.Namespace == d.cfg.Schema && m.RelationName == d.cfg.Table
 	if !r.outbox {
 		return r
 	}

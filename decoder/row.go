@@ -24,7 +24,7 @@ func NewRowDecoder(cfg Config, cols []TableColumn) *RowDecoder {
 		m.Columns = append(m.Columns, &pglogrepl.RelationMessageColumn{Name: c.Name, DataType: c.TypeOID})
 	}
 	d := New(cfg)
-	return &RowDecoder{cfg: cfg, rel: d.newRelation(m)}
+	return &RowDecoder{cfg: cfg, rel: d.newRelation(m, false)}
 }
 
 // Decode builds the event of one row. values are the columns' text output

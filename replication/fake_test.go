@@ -201,6 +201,8 @@ func (f *fakeWAL) serve(n int, conn net.Conn) error {
 				rows(be, []string{"oid", "lsn"}, []string{strconv.Itoa(outboxRelID), "0/1000000"})
 			case strings.HasPrefix(m.String, "SELECT oid::text, typbasetype::text FROM pg_type"):
 				rows(be, []string{"oid", "typbasetype"}, []string{"16500", "25"}) // a domain over text
+			case strings.HasPrefix(m.String, "SELECT 'root', oid::text FROM pg_class"): // readPartitions: not partitioned
+				table(be, []string{"kind", "oid"}, nil)
 			case m.String == "SELECT current_setting('server_version_num')":
 				rows(be, []string{"server_version_num"}, []string{"150008"})
 			case strings.HasPrefix(m.String, "WITH p AS (SELECT oid, xmin, puballtables FROM pg_publication"): // readMembership

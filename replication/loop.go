@@ -141,6 +141,10 @@ func (l *loop) handle(ctx context.Context, data []byte) error {
 		}
 		switch msg.Kind {
 		case decoder.KindEvent:
+			if msg.Partition != "" {
+				l.log.Warn().Str("partition", msg.Partition).Str("table", l.s.cfg.qualifiedTable()).Str("fix", viaRootFix(l.s.cfg)).
+					Msg("pgoutput names outbox rows after the partition they are stored in (the publication has publish_via_partition_root off): jetbox reads them as outbox rows; run the fix")
+			}
 			if l.s.cfg.StampDecoded {
 				msg.Event.Decoded = l.lastRecv // this message's receive time (one clock read per message)
 				msg.Event.WALSent = xld.ServerTime

@@ -190,6 +190,20 @@ func (m *monitor) checkPublication(ctx context.Context, conn *pgx.Conn) {
 		}
 		return
 	}
+	if pubExists && inserts && tableExists && !published && cfg.hasTable() {
+		var leaves bool
+		if err := conn.QueryRow(ctx, leavesPublishedSQL, cfg.Publication, cfg.quotedTable()).Scan(&leaves); err != nil {
+			m.fail(fmt.Errorf("monitor publication query: %w", err))
+			return
+		}
+		if leaves {
+			select {
+			case m.s.fatal <- m.s.viaRootError(since):
+			default:
+			}
+			return
+		}
+	}
 	create := fmt.Sprintf("CREATE PUBLICATION %s FOR TABLE %s WITH (publish = 'insert')", quoteIdent(cfg.Publication), cfg.quotedTable())
 	if !cfg.hasTable() {
 		create = "CREATE PUBLICATION " + quoteIdent(cfg.Publication)
@@ -212,6 +226,19 @@ func (m *monitor) checkPublication(ctx context.Context, conn *pgx.Conn) {
 	select {
 	case m.s.fatal <- err:
 	default:
+	}
+}
+
+// viaRootError explains publish_via_partition_root turned off under a
+// running jetbox (since: the last poll that saw the table published).
+func (s *Streamer) viaRootError(since time.Time) error {
+	cfg := s.cfg
+	at := since.UTC().Format(time.RFC3339)
+	return &PermanentError{
+		Err: fmt.Errorf("publication %q no longer publishes the partitioned table %s through its root: publish_via_partition_root was turned off while jetbox ran, after %s. "+
+			"pgoutput names its rows after the leaf partitions, which jetbox reads as outbox rows (no row is lost that way), but the ALTER PUBLICATION rewrote the publication, and jetbox cannot tell whether its publish setting changed too",
+			cfg.Publication, cfg.qualifiedTable(), at),
+		Hint: "fix: " + viaRootFix(cfg) + ", then restart jetbox: it goes on from the last row it confirmed. Should the start refuse the publication as altered after the slot's position: if only this option changed, start once with --accept-lost-rows; otherwise " + repairFix(cfg, at),
 	}
 }
 

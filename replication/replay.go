@@ -129,6 +129,14 @@ func peekReplay(ctx context.Context, connString string, cfg Config, r *tipReplay
 		return fmt.Errorf("%w: connect to postgres: %w", ErrUnreachable, err)
 	}
 	defer conn.Close(context.WithoutCancel(ctx))
+	// Read before the peek: its rows hold the connection until closed.
+	dec := decoder.New(cfg.Decoder)
+	if domains, err := readDomains(ctx, conn.PgConn()); err == nil {
+		dec.SetDomains(domains)
+	}
+	if parts, err := readPartitions(ctx, conn.PgConn(), cfg); err == nil && cfg.hasTable() {
+		defer setPartitions(dec, parts, connString)()
+	}
 	args := []any{cfg.Slot, (r.tip.CommitLSN + 1).String(), quoteIdent(cfg.Publication)}
 	q := "SELECT data FROM pg_logical_slot_peek_binary_changes($1, $2::pg_lsn, NULL, 'proto_version', '1', 'publication_names', $3"
 	if cfg.Decoder.MessagePrefix != "" {
@@ -142,10 +150,6 @@ func peekReplay(ctx context.Context, connString string, cfg Config, r *tipReplay
 		return fmt.Errorf("read what slot %q replays up to the stream's last position %s: %w", cfg.Slot, r.tip.CommitLSN, err)
 	}
 	defer rows.Close()
-	dec := decoder.New(cfg.Decoder)
-	if domains, err := readDomains(ctx, conn.PgConn()); err == nil {
-		dec.SetDomains(domains)
-	}
 	for rows.Next() && r.holding() {
 		msg, err := dec.Decode(rows.RawValues()[0])
 		var ie *decoder.InvalidEventError

@@ -42,8 +42,14 @@ func (s *Streamer) session(ctx context.Context) (err error) {
 	// The Relation message names a domain column's type by the domain's
 	// OID: the decoder reads it as its base type (as check judged it).
 	var domains decoder.Domains
+	var partitions outboxPartitions
 	if s.cfg.hasTable() {
 		if domains, err = readDomains(sctx, conn); err != nil {
+			return err
+		}
+		// A publication without publish_via_partition_root names a
+		// partitioned outbox's rows after its partitions.
+		if partitions, err = readPartitions(sctx, conn, s.cfg); err != nil {
 			return err
 		}
 	}
@@ -94,6 +100,7 @@ func (s *Streamer) session(ctx context.Context) (err error) {
 	l.dec.SetOutbox(s.outbox)
 	l.dec.SetDomains(domains)
 	l.dec.SetSource(source)
+	defer setPartitions(l.dec, partitions, s.connString)()
 	s.sent.Store(uint64(start))
 	// Open the sink only now that this instance holds the slot: a standby
 	// (START_REPLICATION refused, another instance streams) must not take

@@ -267,10 +267,7 @@ func (c *checker) publication(tableOK bool) bool {
 	// (ADD TABLE is refused, the table already is a member).
 	var leaves bool
 	if n == 0 {
-		if err := c.conn.QueryRow(c.ctx, `SELECT EXISTS (SELECT 1 FROM pg_publication p, pg_class t, pg_publication_tables pt
-			WHERE p.pubname = $1 AND NOT p.pubviaroot AND t.oid = to_regclass($2) AND t.relkind = 'p'
-			AND pt.pubname = p.pubname AND to_regclass(quote_ident(pt.schemaname) || '.' || quote_ident(pt.tablename)) IN (SELECT relid FROM pg_partition_tree(t.oid)))`,
-			c.cfg.Publication, c.cfg.quotedTable()).Scan(&leaves); err != nil {
+		if err := c.conn.QueryRow(c.ctx, leavesPublishedSQL, c.cfg.Publication, c.cfg.quotedTable()).Scan(&leaves); err != nil {
 			c.fail("postgres.publication", err)
 			return true
 		}
@@ -278,7 +275,7 @@ func (c *checker) publication(tableOK bool) bool {
 	switch {
 	case leaves:
 		c.l.Add(check.Error, "postgres.publication", fmt.Sprintf("publication %q publishes the partitioned table %s without publish_via_partition_root: its rows would arrive named after the leaf partitions, not the outbox", c.cfg.Publication, c.cfg.qualifiedTable()),
-			fmt.Sprintf("ALTER PUBLICATION %s SET (publish_via_partition_root = true)", pub))
+			viaRootFix(c.cfg))
 	case n == 0:
 		c.l.Add(check.Error, "postgres.publication", fmt.Sprintf("publication %q does not contain %s", c.cfg.Publication, c.cfg.qualifiedTable()),
 			fmt.Sprintf("ALTER PUBLICATION %s ADD TABLE %s", pub, c.cfg.quotedTable()))

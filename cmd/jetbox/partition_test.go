@@ -4,6 +4,9 @@ import (
 	"bytes"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
 )
 
 // TestPartitionedOutboxUserPublication: a partitioned outbox in a
@@ -30,5 +33,84 @@ func TestPartitionedOutboxUserPublication(t *testing.T) {
 	out.Reset()
 	if code := realMain(args, &out, &errOut); code != exitOK || !strings.Contains(out.String(), `publishes inserts of public.outbox`) {
 		t.Fatalf("after the fix: exit %d:\n%s%s", code, out.String(), errOut.String())
+	}
+}
+
+// partitionedOutboxDDL is the README's outbox partitioned by created_at:
+// a partition for the past and a default one.
+const partitionedOutboxDDL = `CREATE TABLE public.outbox (id uuid NOT NULL DEFAULT gen_random_uuid(), aggregate_type text NOT NULL,
+	aggregate_id text NOT NULL, event_type text NOT NULL, payload jsonb NOT NULL, headers jsonb,
+	created_at timestamptz NOT NULL DEFAULT now()) PARTITION BY RANGE (created_at);
+	CREATE TABLE public.outbox_old PARTITION OF public.outbox FOR VALUES FROM ('2000-01-01') TO ('2001-01-01');
+	CREATE TABLE public.outbox_all PARTITION OF public.outbox DEFAULT`
+
+// insertAt commits one outbox row per created_at in one transaction and
+// returns their ids in insert order.
+func (f *fixture) insertAt(conn *pgx.Conn, eventType string, at ...string) []string {
+	f.t.Helper()
+	rows, err := conn.Query(ctxT(f.t, 30*time.Second), `INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, created_at)
+		SELECT 'order', '1', $1, jsonb_build_object('n', n), a::timestamptz FROM unnest($2::text[]) WITH ORDINALITY AS u(a, n) ORDER BY n
+		RETURNING id::text`, eventType, at)
+	must(f.t, err)
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	must(f.t, err)
+	return ids
+}
+
+// TestPartitionRootTurnedOff: publish_via_partition_root turned off under a
+// running jetbox. pgoutput then names the outbox's rows after its leaf
+// partitions (one that existed at start, one created after): jetbox reads
+// them as outbox rows, warning with the fix, so every row reaches the
+// stream once, in order. With the monitor polling, it stops (exit 1) with
+// the fix instead of ADD TABLE; rows it had not confirmed are streamed,
+// still under the leaves' names, after the fix and a restart. A start with
+// the option off is refused (exit 2).
+func TestPartitionRootTurnedOff(t *testing.T) {
+	f := newFixture(t, withDDL(partitionedOutboxDDL))
+	fix := `ALTER PUBLICATION "jetbox" SET (publish_via_partition_root = true)`
+	conn := f.conn()
+	// No monitor poll after the first: only the decoder sees the change.
+	p := f.start("JETBOX_MONITOR_INTERVAL=1h")
+	f.waitStreaming(p)
+	ids := f.insertAt(conn, "Before", "2000-06-01", "2030-01-01")
+	f.waitCount(len(ids), 30*time.Second)
+
+	f.pg.Exec(t, "ALTER PUBLICATION jetbox SET (publish_via_partition_root = false)")
+	ids = append(ids, f.insertAt(conn, "Leaf", "2030-01-01", "2000-06-01", "2030-01-02")...)
+	f.pg.Exec(t, "CREATE TABLE public.outbox_new PARTITION OF public.outbox FOR VALUES FROM ('2100-01-01') TO ('2200-01-01')")
+	ids = append(ids, f.insertAt(conn, "NewLeaf", "2150-01-01", "2000-06-01")...)
+	ids = append(ids, f.insertOne(conn, "Last"))
+	f.waitCount(len(ids), 30*time.Second)
+	f.assertStream(ids)
+	if code := p.stop(); code != exitOK {
+		t.Fatalf("exit %d:\n%s", code, p.tail(4096))
+	}
+	wantAll(t, "jetbox's log", p.logText(), "public.outbox_all", "public.outbox_new", "publish_via_partition_root", fix)
+	p = f.start()
+	p.waitExit(exitConfig, "without publish_via_partition_root", fix)
+	f.pg.Exec(t, "ALTER PUBLICATION jetbox SET (publish_via_partition_root = true)")
+
+	// The monitor polls: it stops jetbox with the fix.
+	accept := "JETBOX_ACCEPT_LOST_ROWS=true" // the publication was altered after the slot's position
+	p = f.start("JETBOX_MONITOR_INTERVAL=200ms", accept)
+	f.waitStreaming(p)
+	ids = append(ids, f.insertOne(conn, "Root"))
+	f.waitCount(len(ids), 30*time.Second)
+	f.pg.Exec(t, "ALTER PUBLICATION jetbox SET (publish_via_partition_root = false)")
+	for range 3 {
+		ids = append(ids, f.insertAt(conn, "Leaf2", "2150-01-01", "2030-01-01")...)
+	}
+	log := p.waitExit(exitFailure, fix)
+	if strings.Contains(log, "ADD TABLE") {
+		t.Fatalf("the monitor suggests ADD TABLE, which Postgres refuses for a member:\n%s", p.tail(4096))
+	}
+	f.pg.Exec(t, "ALTER PUBLICATION jetbox SET (publish_via_partition_root = true)")
+	p = f.start(accept)
+	f.waitStreaming(p)
+	ids = append(ids, f.insertOne(conn, "After"))
+	f.waitCount(len(ids), 30*time.Second)
+	f.assertStream(ids)
+	if code := p.stop(); code != exitOK {
+		t.Fatalf("exit %d:\n%s", code, p.tail(4096))
 	}
 }
