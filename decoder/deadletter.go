@@ -69,7 +69,7 @@ func (c Config) DeadLetter(ev *Event, cause *InvalidEventError) Event {
 	dl.Headers = append(append([]Header(nil), base...), ev.Headers...)
 	// A too-large row's payload never fits, even when the limit was
 	// lowered after MaxMessageSize was read.
-	if cause.Code == ReasonTooLarge || (c.MaxMessageSize > 0 && dl.WireSize()+c.schemeHeaderSize() > c.MaxMessageSize) {
+	if cause.Code == ReasonTooLarge || (c.MaxMessageSize > 0 && dl.WireSize()+c.settingsHeaderSize() > c.MaxMessageSize) {
 		source["id"], source["commit_lsn"], source["tx_index"] = ev.ID, ev.CommitLSN.String(), ev.TxIndex
 		ref, _ := json.Marshal(source)
 		dl.Payload = ref

@@ -72,6 +72,9 @@ type Config struct {
 	// non-transactional messages, publish nothing (Message.Ignored says
 	// why). Empty: messages are not a source (pgoutput sends none then).
 	MessagePrefix string
+	// Atomic: the sink stores each transaction as atomic batches, and its
+	// messages say so in Jetbox-Routing (see RoutingHeader).
+	Atomic bool
 }
 
 // IndexScheme names how Event.TxIndex counts a transaction's events: "" when
@@ -90,13 +93,18 @@ func (c Config) IndexScheme() string {
 	return "table,messages:" + c.MessagePrefix
 }
 
-// schemeHeaderSize is what the Jetbox-Index-Scheme header adds to a message
-// (see WireSize): its name, value and separators.
-func (c Config) schemeHeaderSize() int {
+// settingsHeaderSize is what the Jetbox-Index-Scheme and Jetbox-Routing
+// headers add to a message (see WireSize): their names, values and
+// separators.
+func (c Config) settingsHeaderSize() int {
+	n := 0
 	if s := c.IndexScheme(); s != "" {
-		return len("Jetbox-Index-Scheme") + len(s) + 4
+		n += len("Jetbox-Index-Scheme") + len(s) + 4
 	}
-	return 0
+	if r := c.RoutingHeader(); r != "" {
+		n += len("Jetbox-Routing") + len(r) + 4
+	}
+	return n
 }
 
 // Kind says what a decoded message means to the forwarder.

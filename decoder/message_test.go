@@ -238,8 +238,8 @@ func TestIndexScheme(t *testing.T) {
 		if c.want != "" {
 			want = len("Jetbox-Index-Scheme: \r\n") + len(c.want)
 		}
-		if got := c.cfg.schemeHeaderSize(); got != want {
-			t.Errorf("%+v: schemeHeaderSize() = %d, want %d", c.cfg, got, want)
+		if got := c.cfg.settingsHeaderSize(); got != want {
+			t.Errorf("%+v: settingsHeaderSize() = %d, want %d", c.cfg, got, want)
 		}
 	}
 }

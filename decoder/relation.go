@@ -362,7 +362,7 @@ func (r *relation) check(ev *Event, cols []column, cfg *Config) *InvalidEventErr
 			return invalid(ReasonBadHeaders, "headers", fmt.Sprintf("headers arrived as %q, not text", h.kind), "")
 		}
 	}
-	if size, max := ev.WireSize()+cfg.schemeHeaderSize(), cfg.MaxMessageSize; max > 0 && size > max {
+	if size, max := ev.WireSize()+cfg.settingsHeaderSize(), cfg.MaxMessageSize; max > 0 && size > max {
 		return invalid(ReasonTooLarge, "payload", fmt.Sprintf("message of about %d bytes (payload %d) is over the limit of %d bytes (the server's max_payload or the stream's max_msg_size)", size, len(ev.Payload), max),
 			"raise max_payload on the NATS server (and the stream's max_msg_size), or keep outbox payloads smaller (e.g. a CHECK on octet_length(payload))")
 	}

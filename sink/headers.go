@@ -24,6 +24,13 @@ const (
 	// "table,messages:jetbox". The same transaction read under another
 	// scheme numbers its events differently.
 	HeaderIndexScheme = "Jetbox-Index-Scheme"
+	// HeaderRouting says how the message was routed and stored
+	// (decoder.Config.RoutingHeader): absent under the default subject
+	// template without atomic batches, else space-separated fields, e.g.
+	// "template={prefix}.{aggregate_type}.{partition}.{event_type}
+	// partitions=16 atomic". A restart under another routing would move
+	// aggregates to other subjects (replication checks it).
+	HeaderRouting = "Jetbox-Routing"
 	// HeaderTxLast is "true" on the last message of each transaction when
 	// transactions are published atomically (Config.AtomicTransactions).
 	HeaderTxLast = "Jetbox-Tx-Last"

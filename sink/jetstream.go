@@ -75,7 +75,10 @@ type Config struct {
 	// IndexScheme is decoder.Config.IndexScheme: when set, every message
 	// carries it in Jetbox-Index-Scheme.
 	IndexScheme string
-	Metrics     *metrics.Metrics
+	// Routing is decoder.Config.RoutingHeader: when set, every message
+	// carries it in Jetbox-Routing.
+	Routing string
+	Metrics *metrics.Metrics
 	// TracerProvider: one span per event (sink/trace.go); nil: no tracing.
 	TracerProvider TracerProvider
 }
@@ -330,7 +333,7 @@ func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
 		// Without retries nats.go reads the headers only inside
 		// PublishMsgAsync: the session's map and values serve again.
 		if s.hdr == nil {
-			s.hdr = make(nats.Header, 12+len(ev.Headers))
+			s.hdr = make(nats.Header, 13+len(ev.Headers))
 		}
 		clear(s.hdr)
 		h = s.hdr
@@ -431,7 +434,7 @@ type txText struct {
 // (see checkStream); resume checks at every session open that the stream
 // still captures the subjects.
 func (p *Publisher) header(ev *decoder.Event, tx *txText, extra int) nats.Header {
-	n := 9 + len(ev.Headers)
+	n := 10 + len(ev.Headers)
 	h := make(nats.Header, n+extra)
 	p.fillHeader(h, make([]string, 0, n), ev, tx)
 	return h
@@ -461,6 +464,9 @@ func (p *Publisher) fillHeader(h nats.Header, vals []string, ev *decoder.Event, 
 	}
 	if p.cfg.IndexScheme != "" {
 		vals = setHeader(h, vals, HeaderIndexScheme, p.cfg.IndexScheme)
+	}
+	if p.cfg.Routing != "" {
+		vals = setHeader(h, vals, HeaderRouting, p.cfg.Routing)
 	}
 	return setHeader(h, vals, jetstream.MsgIDHeader, ev.ID)
 }
