@@ -8,6 +8,8 @@ import (
 
 	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/jetbox-dev/jetbox/internal/testenv"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 )
 
 // TestRoutingChange: the stream's messages record their routing
@@ -92,5 +94,97 @@ func TestRoutingChange(t *testing.T) {
 	f.waitCount(len(want), 30*time.Second)
 	stop(p)
 	check(n, 8, "template="+template+" partitions=8")
+	f.assertStream(want)
+}
+
+// TestAtomicSwitchMidTransaction: a restart that switches
+// --atomic-transactions while the slot replays the transaction of the
+// stream's last message, unfinished there, is refused (exit 2) with the
+// way out: restart once in the tip's mode; that run goes on. Both ways:
+// an atomic-mode tip without Jetbox-Tx-Last (a chunked transaction stored
+// in part) and a tip stored without atomic batches.
+//
+// The replayed tip is made by hand, as in TestIndexSchemeChange: a copy of
+// the last message whose commit LSN is the slot's confirmed position.
+func TestAtomicSwitchMidTransaction(t *testing.T) {
+	f := newFixture(t)
+	f.env = append(withoutEnv(f.env, "JETBOX_DELIVERY"), exactlyOnce)
+	plain := "JETBOX_ATOMIC_TRANSACTIONS=false"
+	conn := f.conn()
+	var want []string
+	stop := func(p *proc) {
+		t.Helper()
+		if code := p.stop(); code != exitOK {
+			t.Fatalf("exit %d:\n%s", code, p.tail(4096))
+		}
+	}
+	// inject stores a copy of the stream's last message at the slot's
+	// confirmed position with Jetbox-Routing routing and no Jetbox-Tx-Last.
+	inject := func(routing string) {
+		t.Helper()
+		lsn, _, err := f.slotState()
+		must(t, err)
+		msgs := testenv.ReadStream(t, f.js, "OUTBOX", true)
+		last := msgs[len(msgs)-1]
+		h := nats.Header{}
+		for k, v := range last.Header {
+			if strings.HasPrefix(k, "Jetbox-") && k != "Jetbox-Tx-Last" && k != "Jetbox-Routing" {
+				h[k] = v
+			}
+		}
+		if routing != "" {
+			h["Jetbox-Routing"] = []string{routing}
+		}
+		id := fmt.Sprintf("injected-%s", lsn)
+		h["Jetbox-Commit-LSN"], h["Jetbox-Tx-Index"], h[jetstream.MsgIDHeader] = []string{lsn.String()}, []string{"0"}, []string{id}
+		_, err = f.js.PublishMsg(ctxT(t, 10*time.Second), &nats.Msg{Subject: last.Subject, Header: h, Data: last.Data})
+		must(t, err)
+		want = append(want, id)
+	}
+	refused := func(hint, env string) {
+		t.Helper()
+		before, _, err := f.slotState()
+		must(t, err)
+		p := f.start(env)
+		p.waitExit(exitConfig, "and the slot replays it", "restart once "+hint+" until that transaction is confirmed")
+		after, _, err := f.slotState()
+		must(t, err)
+		if after != before {
+			t.Fatalf("the refused run moved the slot from %s to %s", before, after)
+		}
+		f.waitCount(len(want), 10*time.Second)
+	}
+	goesOn := func(env string, later []string) {
+		t.Helper()
+		p := f.start(env)
+		f.waitStreaming(p)
+		want = append(want, later...)
+		f.waitCount(len(want), 30*time.Second)
+		stop(p)
+	}
+
+	p := f.start(atomicTx)
+	f.waitStreaming(p)
+	want = append(want, f.insertTx(conn, "a1", 3)...)
+	f.waitCount(len(want), 30*time.Second)
+	stop(p)
+	msgs := testenv.ReadStream(t, f.js, "OUTBOX", true)
+	for i, m := range msgs {
+		if m.Header.Get("Jetbox-Routing") != "atomic" || (m.Header.Get("Jetbox-Tx-Last") == "true") != (i == len(msgs)-1) {
+			t.Fatalf("message %d of an atomic transaction: Jetbox-Routing %q, Jetbox-Tx-Last %q", i, m.Header.Get("Jetbox-Routing"), m.Header.Get("Jetbox-Tx-Last"))
+		}
+	}
+
+	// An unfinished atomic transaction replayed: the plain run is refused.
+	inject("atomic")
+	later := f.insertTx(conn, "a2", 2)
+	refused("with --atomic-transactions", plain)
+	goesOn(atomicTx, later)
+
+	// A plain transaction replayed: the atomic run is refused.
+	inject("")
+	later = f.insertTx(conn, "a3", 2)
+	refused("without --atomic-transactions", atomicTx)
+	goesOn(plain, later)
 	f.assertStream(want)
 }
