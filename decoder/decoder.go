@@ -78,6 +78,9 @@ type Config struct {
 	// non-transactional messages, publish nothing (Message.Ignored says
 	// why). Empty: messages are not a source (pgoutput sends none then).
 	MessagePrefix string
+	// Atomic: the sink stores each transaction as atomic batches, and its
+	// messages say so in Jetbox-Routing (see RoutingHeader).
+	Atomic bool
 }
 
 // IndexScheme names how Event.TxIndex counts a transaction's events: "" when

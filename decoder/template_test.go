@@ -224,3 +224,44 @@ func TestSubjectLength(t *testing.T) {
 		})
 	}
 }
+
+// TestRoutingHeader: Jetbox-Routing names a non-default template and its
+// partitions, and atomic batches; it is absent otherwise (default messages
+// do not grow), reads back as it was written, and counts in the size
+// estimate.
+func TestRoutingHeader(t *testing.T) {
+	tpl := func(text string, n int) *Template {
+		t.Helper()
+		tp, err := ParseTemplate(text, n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return tp
+	}
+	const parted = "{prefix}.{aggregate_type}.{partition}.{event_type}"
+	for _, c := range []struct {
+		cfg        Config
+		want       string
+		template   string
+		partitions int
+	}{
+		{Config{}, "", DefaultSubjectTemplate, 0},
+		{Config{Subjects: tpl(DefaultSubjectTemplate, 0)}, "", DefaultSubjectTemplate, 0},
+		{Config{Atomic: true}, "atomic", DefaultSubjectTemplate, 0},
+		{Config{Subjects: tpl(parted, 4)}, "template=" + parted + " partitions=4", parted, 4},
+		{Config{Subjects: tpl(parted, 16), Atomic: true}, "template=" + parted + " partitions=16 atomic", parted, 16},
+		{Config{Subjects: tpl("{prefix}.{aggregate_type}.{aggregate_id}", 0)}, "template={prefix}.{aggregate_type}.{aggregate_id}", "{prefix}.{aggregate_type}.{aggregate_id}", 0},
+	} {
+		got := c.cfg.RoutingHeader()
+		if got != c.want {
+			t.Errorf("%+v: RoutingHeader() = %q, want %q", c.cfg, got, c.want)
+		}
+		template, partitions, atomic := ParseRouting(got)
+		if template != c.template || partitions != c.partitions || atomic != c.cfg.Atomic {
+			t.Errorf("ParseRouting(%q) = %q %d %v", got, template, partitions, atomic)
+		}
+	}
+	if _, _, atomic := ParseRouting("future=1 atomic"); !atomic {
+		t.Error("an unknown field hides atomic")
+	}
+}

@@ -26,8 +26,13 @@ type StreamTip struct {
 	ID         string // Nats-Msg-Id
 	RowID      string // Jetbox-Row-Id: a dead letter's row (its id when the sink refused it)
 	CommitTime string
-	Scheme     string    // how its Jetbox-Tx-Index counted (decoder.Config.IndexScheme)
-	Stored     time.Time // when the server stored it
+	Scheme     string // how its Jetbox-Tx-Index counted (decoder.Config.IndexScheme)
+	Routing    string // Jetbox-Routing: how it was routed and stored (decoder.Config.RoutingHeader)
+	TxLast     bool   // Jetbox-Tx-Last: the last message of an atomic transaction
+	// AggregateType, AggregateID and EventType are what its subject was
+	// rendered from.
+	AggregateType, AggregateID, EventType string
+	Stored                                time.Time // when the server stored it
 	// RepairSince is set on a message of jetbox repair: where its range started.
 	RepairSince string
 	Subject     string

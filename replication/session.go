@@ -66,6 +66,10 @@ func (s *Streamer) session(ctx context.Context) (err error) {
 		if err := checkScheme(tip, s.cfg.Decoder.IndexScheme(), start); err != nil {
 			return err
 		}
+		// Routing and atomic mode as the stream's consumers were promised.
+		if err := checkSettings(tip, s.cfg, start, s.log); err != nil {
+			return err
+		}
 	}
 	// A slot at or before the tip replays it: until it has (tipReplay),
 	// nothing past start is confirmed.

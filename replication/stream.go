@@ -44,6 +44,10 @@ type Config struct {
 	// AcceptLostRows: go on (with a warning) where the server does not
 	// continue the stream's history (see VerifyHistory) instead of stopping.
 	AcceptLostRows bool
+	// AllowRoutingChange: go on (with a warning) under another subject
+	// template or partition count than the stream's last message was
+	// routed under (see checkRouting) instead of stopping.
+	AllowRoutingChange bool
 }
 
 func (c Config) qualifiedTable() string { return c.Decoder.Schema + "." + c.Decoder.Table }

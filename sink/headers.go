@@ -27,6 +27,13 @@ const (
 	// "table,messages:jetbox". The same transaction read under another
 	// scheme numbers its events differently.
 	HeaderIndexScheme = "Jetbox-Index-Scheme"
+	// HeaderRouting says how the message was routed and stored
+	// (decoder.Config.RoutingHeader): absent under the default subject
+	// template without atomic batches, else space-separated fields, e.g.
+	// "template={prefix}.{aggregate_type}.{partition}.{event_type}
+	// partitions=16 atomic". A restart under another routing would move
+	// aggregates to other subjects (replication checks it).
+	HeaderRouting = "Jetbox-Routing"
 	// HeaderTxLast is "true" on the last message of each transaction when
 	// transactions are published atomically (Config.AtomicTransactions).
 	HeaderTxLast = "Jetbox-Tx-Last"
@@ -45,12 +52,13 @@ const CommitTimeLayout = "2006-01-02T15:04:05.000000000Z07:00"
 // MessageSize is the size of ev's message as NATS counts it against
 // max_payload and a stream's max_msg_size (the payload and the header
 // block), with the headers every publish of it carries: the row's,
-// jetbox's (indexScheme: Config.IndexScheme) and Nats-Msg-Id. What one
+// jetbox's (indexScheme and routing: Config.IndexScheme and Config.Routing)
+// and Nats-Msg-Id. What one
 // publish adds on its own (the order guard's expected sequence and last
 // id, an atomic batch's headers, a trace context) is left out: it is a
 // lower bound (decoder.Config.Size), and what is still too large is
 // refused exactly when it is published.
-func MessageSize(ev *decoder.Event, indexScheme string) int {
+func MessageSize(ev *decoder.Event, indexScheme, routing string) int {
 	n := len(ev.Payload) + len("NATS/1.0\r\n") + len("\r\n")
 	field := func(k, v string) { n += len(k) + len(textproto.TrimString(v)) + 4 } // "k: v\r\n"
 	for _, h := range ev.Headers {
@@ -67,6 +75,9 @@ func MessageSize(ev *decoder.Event, indexScheme string) int {
 	}
 	if indexScheme != "" {
 		field(HeaderIndexScheme, indexScheme)
+	}
+	if routing != "" {
+		field(HeaderRouting, routing)
 	}
 	field(jetstream.MsgIDHeader, ev.ID)
 	return n

@@ -18,12 +18,18 @@ type Tip struct {
 	Seq        uint64
 	Source     string // Jetbox-Source
 	CommitLSN  pglogrepl.LSN
-	TxIndex    int       // Jetbox-Tx-Index
-	ID         string    // Nats-Msg-Id
-	RowID      string    // Jetbox-Row-Id of a dead letter
-	CommitTime string    // Jetbox-Commit-Time, as stored
-	Scheme     string    // Jetbox-Index-Scheme: "" when absent (--source=table)
-	Stored     time.Time // when the server stored it
+	TxIndex    int    // Jetbox-Tx-Index
+	ID         string // Nats-Msg-Id
+	RowID      string // Jetbox-Row-Id of a dead letter
+	CommitTime string // Jetbox-Commit-Time, as stored
+	Scheme     string // Jetbox-Index-Scheme: "" when absent (--source=table)
+	Routing    string // Jetbox-Routing: "" when absent (the default routing, not atomic)
+	TxLast     bool   // Jetbox-Tx-Last: true (the last message of an atomic transaction)
+	// AggregateType, AggregateID and EventType are the message's
+	// Jetbox-Aggregate-* and Jetbox-Event-Type: what its subject was
+	// rendered from.
+	AggregateType, AggregateID, EventType string
+	Stored                                time.Time // when the server stored it
 	// RepairSince is Jetbox-Repair-Since: set on the rows and markers of
 	// a jetbox repair, the start of the range it repairs.
 	RepairSince string
@@ -106,7 +112,9 @@ func tipOf(seq uint64, subject string, stored time.Time, h nats.Header, writer s
 		return Tip{}, false
 	}
 	return Tip{Seq: seq, Source: src, CommitLSN: pglogrepl.LSN(pos.CommitLSN), TxIndex: pos.TxIndex, ID: h.Get(jetstream.MsgIDHeader), RowID: h.Get(decoder.HeaderRowID),
-		CommitTime: h.Get(HeaderCommitTime), Scheme: h.Get(HeaderIndexScheme), Stored: stored, RepairSince: h.Get(HeaderRepairSince), Subject: subject}, true
+		CommitTime: h.Get(HeaderCommitTime), Scheme: h.Get(HeaderIndexScheme), Routing: h.Get(HeaderRouting), TxLast: h.Get(HeaderTxLast) == "true",
+		AggregateType: h.Get(HeaderAggregateType), AggregateID: h.Get(HeaderAggregateID), EventType: h.Get(HeaderEventType),
+		Stored: stored, RepairSince: h.Get(HeaderRepairSince), Subject: subject}, true
 }
 
 // scanHeaders calls fn for every message on filter ("": any subject) from

@@ -78,7 +78,10 @@ type Config struct {
 	// IndexScheme is decoder.Config.IndexScheme: when set, every message
 	// carries it in Jetbox-Index-Scheme.
 	IndexScheme string
-	Metrics     *metrics.Metrics
+	// Routing is decoder.Config.RoutingHeader: when set, every message
+	// carries it in Jetbox-Routing.
+	Routing string
+	Metrics *metrics.Metrics
 	// TracerProvider: one span per event (sink/trace.go); nil: no tracing.
 	TracerProvider TracerProvider
 }
@@ -342,7 +345,7 @@ func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
 		// Without retries nats.go reads the headers only inside
 		// PublishMsgAsync: the session's map and values serve again.
 		if s.hdr == nil {
-			s.hdr = make(nats.Header, 12+len(ev.Headers))
+			s.hdr = make(nats.Header, 13+len(ev.Headers))
 		}
 		clear(s.hdr)
 		h = s.hdr
@@ -392,9 +395,11 @@ func (p *Publisher) closedErr(err error) error {
 		Hint: "see the NATS error jetbox logged before it and the server's log (\"maximum control line exceeded\": a subject over the server's max_control_line, so set --nats-max-control-line to the server's value), fix the cause and restart jetbox; nothing past the last stored event was confirmed, so a restart loses nothing"}
 }
 
-// MessageSize is MessageSize with this publisher's index scheme: the
-// decoder's size check (decoder.Config.Size).
-func (p *Publisher) MessageSize(ev *decoder.Event) int { return MessageSize(ev, p.cfg.IndexScheme) }
+// MessageSize is MessageSize with this publisher's index scheme and
+// routing: the decoder's size check (decoder.Config.Size).
+func (p *Publisher) MessageSize(ev *decoder.Event) int {
+	return MessageSize(ev, p.cfg.IndexScheme, p.cfg.Routing)
+}
 
 // SubjectLimit returns the longest subject a publish may carry: the
 // server's max_control_line (Config.MaxControlLine; servers do not send
@@ -447,7 +452,7 @@ type txText struct {
 // (see checkStream); resume checks at every session open that the stream
 // still captures the subjects.
 func (p *Publisher) header(ev *decoder.Event, tx *txText, extra int) nats.Header {
-	n := 9 + len(ev.Headers)
+	n := 10 + len(ev.Headers)
 	h := make(nats.Header, n+extra)
 	p.fillHeader(h, make([]string, 0, n), ev, tx)
 	return h
@@ -477,6 +482,9 @@ func (p *Publisher) fillHeader(h nats.Header, vals []string, ev *decoder.Event, 
 	}
 	if p.cfg.IndexScheme != "" {
 		vals = setHeader(h, vals, HeaderIndexScheme, p.cfg.IndexScheme)
+	}
+	if p.cfg.Routing != "" {
+		vals = setHeader(h, vals, HeaderRouting, p.cfg.Routing)
 	}
 	return setHeader(h, vals, jetstream.MsgIDHeader, ev.ID)
 }

@@ -16,7 +16,7 @@ import (
 // scheme included), and no more: the headers one publish adds on its own
 // come on top.
 func TestMessageSize(t *testing.T) {
-	p := &Publisher{cfg: Config{IndexScheme: "table,messages:jetbox"}}
+	p := &Publisher{cfg: Config{IndexScheme: "table,messages:jetbox", Routing: "template={prefix}.{aggregate_type}.{partition}.{event_type} partitions=4 atomic"}}
 	for _, ev := range []*decoder.Event{
 		{ID: "a", Subject: "outbox.order.Created", AggregateType: "order", AggregateID: "1", EventType: "Created", Payload: []byte(`{}`)},
 		{ID: strings.Repeat("i", 200), Subject: "outbox.o.E", AggregateType: "o", AggregateID: strings.Repeat("x", 300), EventType: "E",

@@ -273,6 +273,40 @@ func TestIndexSchemeHeader(t *testing.T) {
 	}
 }
 
+// TestRoutingHeader: Jetbox-Routing is set only when configured (a
+// non-default routing, or atomic batches), so default messages stay as
+// they were, and the tip reads it back with Jetbox-Tx-Last.
+func TestRoutingHeader(t *testing.T) {
+	for _, routing := range []string{"", "template={prefix}.{aggregate_type}.{partition}.{event_type} partitions=4 atomic"} {
+		p := &Publisher{cfg: Config{Stream: "OUTBOX", Routing: routing}}
+		var tx txText
+		ev := traceEvent()
+		ev.Source, ev.AggregateType, ev.AggregateID, ev.EventType = "42/1/app/jetbox", "order", "o-1", "OrderCreated"
+		h := p.header(ev, &tx, 2)
+		got, ok := h[HeaderRouting]
+		switch {
+		case routing == "" && ok:
+			t.Errorf("default routing: header %s = %q, want none", HeaderRouting, got)
+		case routing != "" && (len(got) != 1 || got[0] != routing):
+			t.Errorf("header %s = %q, want %q", HeaderRouting, got, routing)
+		}
+		h[HeaderTxLast] = []string{"true"}
+		tip, ok := tipOf(7, ev.Subject, time.Now(), h, mustWriter(t, ev.Source))
+		if !ok || tip.Routing != routing || !tip.TxLast || tip.AggregateType != ev.AggregateType || tip.AggregateID != ev.AggregateID || tip.EventType != ev.EventType {
+			t.Errorf("tip %+v (ok %v), want routing %q, Tx-Last and the event's fields", tip, ok, routing)
+		}
+	}
+}
+
+func mustWriter(t *testing.T, source string) string {
+	t.Helper()
+	o, ok := decoder.ParseOrigin(source)
+	if !ok {
+		t.Fatalf("source %q", source)
+	}
+	return o.Writer()
+}
+
 // TestSpanStartsAtDecode: an event stamped at decode starts its span there,
 // so the span shows the wait for the in-flight window as well, and carries
 // when the walsender sent it.

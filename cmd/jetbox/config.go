@@ -115,6 +115,7 @@ type RunFlags struct {
 	OnInvalid        string   `name:"on-invalid" env:"JETBOX_ON_INVALID" default:"stop" help:"A row that cannot be published: stop (exit 1, slot kept before it) or dead-letter (publish it to --dead-letter-subject.<reason> and go on)."`
 	DeadLetterSubj   string   `name:"dead-letter-subject" env:"JETBOX_DEAD_LETTER_SUBJECT" help:"With --on-invalid=dead-letter: subject prefix for dead letters, captured by the stream. Default <subject-prefix>._dlq." placeholder:"SUBJECT"`
 	OrderGuard       boolText `name:"order-guard" env:"JETBOX_ORDER_GUARD" default:"true" help:"Send Nats-Expected-Last-Sequence so the stream never holds a gap or reordering (needs jetbox to be the stream's only writer)."`
+	AllowRouting     boolText `name:"allow-routing-change" env:"JETBOX_ALLOW_ROUTING_CHANGE" default:"false" help:"Go on under another --subject-template or --partitions than the stream's last message was routed under, instead of stopping with exit 2: an aggregate's events move to other subjects. Drain the consumers of the old subjects first; the check is moot once one message under the new routing is stored."`
 	AcceptLostRows   boolText `name:"accept-lost-rows" env:"JETBOX_ACCEPT_LOST_ROWS" default:"false" help:"Go on where the server does not continue the stream's history (its slot is lost after a failover or drop, its WAL is behind the stream after a restore, its timeline branched before the stream's last row) instead of stopping with exit 2. Rows committed in between may then be missing: prefer jetbox repair."`
 	StatusInterval   string   `name:"status-interval" env:"JETBOX_STATUS_INTERVAL" default:"${default_status_interval}" help:"Standby status update period."`
 	PostgresTimeout  string   `name:"postgres-timeout" env:"JETBOX_POSTGRES_TIMEOUT" default:"${default_postgres_timeout}" help:"Reconnect when Postgres sends nothing for this long."`
@@ -409,6 +410,10 @@ func (f *RunFlags) Config() (Config, error) {
 	if err != nil {
 		bad("accept-lost-rows", string(f.AcceptLostRows), "not a boolean", "use true or false")
 	}
+	allowRouting, err := strconv.ParseBool(string(f.AllowRouting))
+	if err != nil {
+		bad("allow-routing-change", string(f.AllowRouting), "not a boolean", "use true or false")
+	}
 	deadLetter := ""
 	switch f.OnInvalid {
 	case "stop":
@@ -450,22 +455,23 @@ func (f *RunFlags) Config() (Config, error) {
 	c.Replication = replication.Config{
 		Slot: f.Slot, Publication: f.Publication,
 		Decoder: decoder.Config{Schema: schema, Table: table, Columns: cols, SubjectPrefix: f.SubjectPrefix, DeadLetterSubject: deadLetter,
-			Subjects: subjects, MessagePrefix: messagePrefix},
-		StatusInterval:    statusInterval,
-		Timeout:           pgTimeout,
-		MaxInFlight:       maxInFlight,
-		MaxInFlightBytes:  maxBytes,
-		ShutdownTimeout:   shutdownTimeout,
-		StandbyRetry:      standbyRetry,
-		HeartbeatInterval: heartbeat,
-		MaxRetainedWAL:    int64(maxRetained),
-		MonitorInterval:   monitorInterval,
-		AcceptLostRows:    acceptLost,
+			Subjects: subjects, MessagePrefix: messagePrefix, Atomic: atomicTx},
+		StatusInterval:     statusInterval,
+		Timeout:            pgTimeout,
+		MaxInFlight:        maxInFlight,
+		MaxInFlightBytes:   maxBytes,
+		ShutdownTimeout:    shutdownTimeout,
+		StandbyRetry:       standbyRetry,
+		HeartbeatInterval:  heartbeat,
+		MaxRetainedWAL:     int64(maxRetained),
+		MonitorInterval:    monitorInterval,
+		AcceptLostRows:     acceptLost,
+		AllowRoutingChange: allowRouting,
 	}
 	c.Sink = sink.Config{Stream: f.Stream, SubjectPrefix: f.SubjectPrefix, DuplicateWindow: dupWindow, StreamSpec: spec,
 		PublishTimeout: publishTimeout, MaxPending: maxInFlight, MaxControlLine: maxCtlLine, OrderGuard: orderGuard, ExactlyOnce: f.Delivery == "exactly-once", DeadLetterSubject: deadLetter,
 		AtomicTransactions: atomicTx, SubjectFilter: filter, SubjectsHoldIDs: subjects != nil && subjects.UsesAggregateID(),
-		IndexScheme: c.Replication.Decoder.IndexScheme(), JSDomain: n.JSDomain}
+		IndexScheme: c.Replication.Decoder.IndexScheme(), JSDomain: n.JSDomain, Routing: c.Replication.Decoder.RoutingHeader()}
 	c.LogLevel, c.LogConsole = level, f.LogFormat == "console"
 	return c, nil
 }

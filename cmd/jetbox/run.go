@@ -165,6 +165,12 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "jetbox:", err)
 		return exitConfig
 	}
+	var se *replication.SettingsError
+	if errors.As(err, &se) {
+		log.Error().Err(err).Str("setting", se.Setting).Uint64("tip_seq", se.Tip.Seq).Str("tip_lsn", se.Tip.CommitLSN.String()).Msg("this run's settings break what the stream's last message was stored under")
+		printProblems(stderr, "configuration", err)
+		return exitConfig
+	}
 	st := pub.Stats()
 	ev := log.Info()
 	next := ""
@@ -244,7 +250,9 @@ type sinkAdapter struct {
 func (a sinkAdapter) Tip(ctx context.Context, writer string) (replication.StreamTip, bool, error) {
 	t, ok, err := a.p.Tip(ctx, writer)
 	return replication.StreamTip{Seq: t.Seq, Source: t.Source, CommitLSN: t.CommitLSN, TxIndex: t.TxIndex, ID: t.ID, RowID: t.RowID,
-		CommitTime: t.CommitTime, Scheme: t.Scheme, Stored: t.Stored, RepairSince: t.RepairSince, Subject: t.Subject}, ok, err
+		CommitTime: t.CommitTime, Scheme: t.Scheme, Routing: t.Routing, TxLast: t.TxLast,
+		AggregateType: t.AggregateType, AggregateID: t.AggregateID, EventType: t.EventType,
+		Stored: t.Stored, RepairSince: t.RepairSince, Subject: t.Subject}, ok, err
 }
 
 // Forget abandons the positions of an accepted lost history; the slot's
