@@ -5,6 +5,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/jetbox-dev/jetbox/sink/format"
 )
 
 func TestDomainsBaseType(t *testing.T) {
@@ -37,7 +39,7 @@ func TestDecodeDomainColumns(t *testing.T) {
 	decode(t, d, relationMsg(5, "public", "outbox", cols))
 	decode(t, d, beginMsg(1, time.Now(), 1))
 	var ie *InvalidEventError
-	if _, err := d.Decode(row); !errors.As(err, &ie) || ie.Code != ReasonTableChanged || !strings.Contains(err.Error(), "type oid 16400, want text") {
+	if _, err := d.Decode(row); !errors.As(err, &ie) || ie.Code != format.ReasonTableChanged || !strings.Contains(err.Error(), "type oid 16400, want text") {
 		t.Fatalf("without domains: %v", err)
 	}
 
@@ -75,7 +77,7 @@ func TestBpcharTrimmed(t *testing.T) {
 	// Spaces inside stay, and are still refused; all pad is an empty token.
 	for _, v := range []string{"big order ", "    "} {
 		var ie *InvalidEventError
-		if _, err := d.Decode(insertMsg(5, s("id-2"), s(v), s("1"), s("E"), s(`{}`))); !errors.As(err, &ie) || ie.Code != ReasonBadSubject {
+		if _, err := d.Decode(insertMsg(5, s("id-2"), s(v), s("1"), s("E"), s(`{}`))); !errors.As(err, &ie) || ie.Code != format.ReasonBadSubject {
 			t.Fatalf("%q: %v", v, err)
 		}
 	}

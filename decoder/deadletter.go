@@ -7,21 +7,9 @@ import (
 	"strings"
 	"unicode/utf8"
 
-	"github.com/jackc/pglogrepl"
-)
+	"github.com/jetbox-dev/jetbox/sink/format"
 
-// Headers of a dead letter, besides jetbox's usual ones (the position
-// headers Jetbox-Commit-LSN and Jetbox-Tx-Index are those of the row).
-const (
-	HeaderDeadLetterReason = "Jetbox-Dead-Letter-Reason" // one of the Reason* codes
-	HeaderDeadLetterError  = "Jetbox-Dead-Letter-Error"  // the full error, with its fix
-	HeaderRowID            = "Jetbox-Row-Id"             // the row's id as it was (escaped)
-	HeaderOriginalSubject  = "Jetbox-Original-Subject"   // the subject the row would have had
-	HeaderTable            = "Jetbox-Table"
-	HeaderMessagePrefix    = "Jetbox-Message-Prefix"   // instead of Jetbox-Table, for a logical decoding message
-	HeaderOriginalHeaders  = "Jetbox-Original-Headers" // the headers column as it was (escaped)
-	HeaderPayloadOmitted   = "Jetbox-Payload-Omitted"  // "true" when the payload did not fit
-	HeaderPayloadSize      = "Jetbox-Payload-Size"
+	"github.com/jackc/pglogrepl"
 )
 
 // DeadLetter returns the event that replaces ev, which cannot be published
@@ -52,30 +40,30 @@ func (c Config) DeadLetter(ev *Event, cause *InvalidEventError) Event {
 		orig = c.SubjectPrefix + "." + ev.AggregateType + "." + ev.EventType
 	}
 	base := []Header{
-		{HeaderDeadLetterError, escape(cause.Error(), 1024)},
-		{HeaderDeadLetterReason, cause.Code},
-		{HeaderOriginalSubject, escape(orig, 512)},
-		{HeaderRowID, RowIDHeader(ev.ID)},
+		{format.HeaderDeadLetterError, escape(cause.Error(), 1024)},
+		{format.HeaderDeadLetterReason, cause.Code},
+		{format.HeaderOriginalSubject, escape(orig, 512)},
+		{format.HeaderRowID, RowIDHeader(ev.ID)},
 	}
 	source := map[string]any{"table": c.Schema + "." + c.Table}
 	if ev.messagePrefix != "" {
-		base = append(base, Header{HeaderMessagePrefix, escape(ev.messagePrefix, 256)})
+		base = append(base, Header{format.HeaderMessagePrefix, escape(ev.messagePrefix, 256)})
 		source = map[string]any{"message_prefix": ev.messagePrefix}
 	} else {
-		base = append(base, Header{HeaderTable, c.Schema + "." + c.Table})
+		base = append(base, Header{format.HeaderTable, c.Schema + "." + c.Table})
 	}
 	if ev.rawHeaders != "" {
-		base = append(base, Header{HeaderOriginalHeaders, escape(ev.rawHeaders, 4096)})
+		base = append(base, Header{format.HeaderOriginalHeaders, escape(ev.rawHeaders, 4096)})
 	}
 	// The row's own headers, when they were not the problem.
 	dl.Headers = append(append([]Header(nil), base...), ev.Headers...)
 	// A too-large row's payload never fits, even when the limit was
 	// lowered after MaxMessageSize was read.
-	if cause.Code == ReasonTooLarge || (c.MaxMessageSize > 0 && c.size(&dl)+perPublishHeaders > c.MaxMessageSize) {
+	if cause.Code == format.ReasonTooLarge || (c.MaxMessageSize > 0 && c.size(&dl)+perPublishHeaders > c.MaxMessageSize) {
 		source["id"], source["commit_lsn"], source["tx_index"] = ev.ID, ev.CommitLSN.String(), ev.TxIndex
 		ref, _ := json.Marshal(source)
 		dl.Payload = ref
-		dl.Headers = append(base, Header{HeaderPayloadOmitted, "true"}, Header{HeaderPayloadSize, strconv.Itoa(len(ev.Payload))})
+		dl.Headers = append(base, Header{format.HeaderPayloadOmitted, "true"}, Header{format.HeaderPayloadSize, strconv.Itoa(len(ev.Payload))})
 	}
 	return dl
 }

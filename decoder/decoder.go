@@ -56,7 +56,7 @@ type Config struct {
 	// of an error. Empty: Decode returns the *InvalidEventError (stop).
 	DeadLetterSubject string
 	// MaxMessageSize is the largest message the server and the stream take;
-	// a larger row is invalid (ReasonTooLarge). 0: no check.
+	// a larger row is invalid (format.ReasonTooLarge). 0: no check.
 	MaxMessageSize int
 	// Size returns the bytes an event's message takes against
 	// MaxMessageSize, as the sink sends it (sink.MessageSize): a lower
@@ -67,7 +67,7 @@ type Config struct {
 	// MaxSubjectLength is the longest subject the server takes (see
 	// sink.Publisher.SubjectLimit: NATS' max_control_line less the reply
 	// subject and sizes on the same line); a longer one is invalid
-	// (ReasonBadSubject). 0: no check.
+	// (format.ReasonBadSubject). 0: no check.
 	MaxSubjectLength int
 	// Subjects renders each event's subject (see ParseTemplate); nil:
 	// DefaultSubjectTemplate.

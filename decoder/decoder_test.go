@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/jackc/pglogrepl"
 )
 
@@ -162,21 +164,21 @@ func TestInvalidRows(t *testing.T) {
 		wantErr string
 		code    string
 	}{
-		{"null id", []*string{nil, s("order"), s("1"), s("E"), s("{}"), nil, nil}, "", `column "id" is NULL`, ReasonBadID},
-		{"null payload", []*string{s(id1), s("order"), s("1"), s("E"), nil, nil, nil}, id1, "payload is NULL", ReasonNullPayload},
-		{"space in aggregate_type", []*string{s(id1), s("big order"), s("1"), s("E"), s("{}"), nil, nil}, id1, "aggregate_type", ReasonBadSubject},
-		{"dot in event_type", []*string{s(id1), s("order"), s("1"), s("a.b"), s("{}"), nil, nil}, id1, "event_type", ReasonBadSubject},
-		{"wildcard", []*string{s(id1), s("*"), s("1"), s("E"), s("{}"), nil, nil}, id1, "reserve", ReasonBadSubject},
-		{"empty event_type", []*string{s(id1), s("order"), s("1"), s(""), s("{}"), nil, nil}, id1, "empty", ReasonBadSubject},
-		{"control byte", []*string{s(id1), s("or\x01der"), s("1"), s("E"), s("{}"), nil, nil}, id1, "control", ReasonBadSubject},
-		{"headers not an object", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`[1]`), nil}, id1, "not a JSON object", ReasonBadHeaders},
-		{"reserved header", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`{"Nats-Msg-Id": "x"}`), nil}, id1, "reserved", ReasonBadHeaders},
-		{"header with CRLF", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`{"a": "x\r\nb: y"}`), nil}, id1, "control", ReasonBadHeaders},
-		{"bad header name", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`{"a b": "x"}`), nil}, id1, "header name", ReasonBadHeaders},
+		{"null id", []*string{nil, s("order"), s("1"), s("E"), s("{}"), nil, nil}, "", `column "id" is NULL`, format.ReasonBadID},
+		{"null payload", []*string{s(id1), s("order"), s("1"), s("E"), nil, nil, nil}, id1, "payload is NULL", format.ReasonNullPayload},
+		{"space in aggregate_type", []*string{s(id1), s("big order"), s("1"), s("E"), s("{}"), nil, nil}, id1, "aggregate_type", format.ReasonBadSubject},
+		{"dot in event_type", []*string{s(id1), s("order"), s("1"), s("a.b"), s("{}"), nil, nil}, id1, "event_type", format.ReasonBadSubject},
+		{"wildcard", []*string{s(id1), s("*"), s("1"), s("E"), s("{}"), nil, nil}, id1, "reserve", format.ReasonBadSubject},
+		{"empty event_type", []*string{s(id1), s("order"), s("1"), s(""), s("{}"), nil, nil}, id1, "empty", format.ReasonBadSubject},
+		{"control byte", []*string{s(id1), s("or\x01der"), s("1"), s("E"), s("{}"), nil, nil}, id1, "control", format.ReasonBadSubject},
+		{"headers not an object", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`[1]`), nil}, id1, "not a JSON object", format.ReasonBadHeaders},
+		{"reserved header", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`{"Nats-Msg-Id": "x"}`), nil}, id1, "reserved", format.ReasonBadHeaders},
+		{"header with CRLF", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`{"a": "x\r\nb: y"}`), nil}, id1, "control", format.ReasonBadHeaders},
+		{"bad header name", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`{"a b": "x"}`), nil}, id1, "header name", format.ReasonBadHeaders},
 		// nats-server 2.10 finds its headers by text search (TestServerHeaderSearch in sink).
-		{"header name holding Nats-", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`{"X-Nats-Msg-Id": "x"}`), nil}, id1, "find their headers by text search", ReasonBadHeaders},
-		{"header name holding Nats-Expected-", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`{"trace-Nats-Expected-Last-Sequence": "1"}`), nil}, id1, "rename it", ReasonBadHeaders},
-		{"id holding Nats-", []*string{s("a-Nats-Expected-Last-Sequence"), s("order"), s("1"), s("E"), s("{}"), nil, nil}, "", "find their own headers by text search", ReasonBadID},
+		{"header name holding Nats-", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`{"X-Nats-Msg-Id": "x"}`), nil}, id1, "find their headers by text search", format.ReasonBadHeaders},
+		{"header name holding Nats-Expected-", []*string{s(id1), s("order"), s("1"), s("E"), s("{}"), s(`{"trace-Nats-Expected-Last-Sequence": "1"}`), nil}, id1, "rename it", format.ReasonBadHeaders},
+		{"id holding Nats-", []*string{s("a-Nats-Expected-Last-Sequence"), s("order"), s("1"), s("E"), s("{}"), nil, nil}, "", "find their own headers by text search", format.ReasonBadID},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -213,7 +215,7 @@ func TestInvalidRows(t *testing.T) {
 					t.Fatalf("unsafe dead-letter header %q", h)
 				}
 			}
-			if hs[HeaderDeadLetterReason] != c.code || !strings.Contains(hs[HeaderDeadLetterError], c.wantErr) || hs[HeaderTable] != "public.outbox" {
+			if hs[format.HeaderDeadLetterReason] != c.code || !strings.Contains(hs[format.HeaderDeadLetterError], c.wantErr) || hs[format.HeaderTable] != "public.outbox" {
 				t.Fatalf("dead-letter headers %v", hs)
 			}
 			if c.values[4] != nil && string(dl.Payload) != *c.values[4] {
@@ -237,7 +239,7 @@ func TestTooLarge(t *testing.T) {
 		m, err := d.Decode(insertMsg(5, s(id1), s("order"), s("1"), s("E"), s(big), nil, nil))
 		if dlq == "" {
 			var ie *InvalidEventError
-			if !errors.As(err, &ie) || ie.Code != ReasonTooLarge || ie.ID != id1 || !strings.Contains(err.Error(), "max_payload") {
+			if !errors.As(err, &ie) || ie.Code != format.ReasonTooLarge || ie.ID != id1 || !strings.Contains(err.Error(), "max_payload") {
 				t.Fatalf("got %v", err)
 			}
 			continue
@@ -260,13 +262,13 @@ func TestTableChangeIsNeverDeadLettered(t *testing.T) {
 	decode(t, d, beginMsg(0x10, time.Now(), 1))
 	_, err := d.Decode(insertMsg(5, s("order"), s("1"), s("E"), s(`{}`), nil, nil))
 	var ie *InvalidEventError
-	if !errors.As(err, &ie) || ie.Code != ReasonTableChanged || ie.DeadLetterable() {
+	if !errors.As(err, &ie) || ie.Code != format.ReasonTableChanged || ie.DeadLetterable() {
 		t.Fatalf("got %v", err)
 	}
 	// An aggregate type inside the dead-letter subjects is refused.
 	decode(t, d, relationMsg(5, "public", "outbox", outboxCols))
 	m := decode(t, d, insertMsg(5, s(id1), s("_dlq"), s("1"), s("E"), s(`{}`), nil, nil))
-	if m.Event.DeadLetter == nil || m.Event.DeadLetter.Code != ReasonBadSubject {
+	if m.Event.DeadLetter == nil || m.Event.DeadLetter.Code != format.ReasonBadSubject {
 		t.Fatalf("%+v", m.Event)
 	}
 }

@@ -6,6 +6,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/jetbox-dev/jetbox/sink/format"
 )
 
 // FuzzDecode feeds arbitrary bytes after a valid relation and BEGIN: every
@@ -210,7 +212,7 @@ func FuzzEnvelope(f *testing.F) {
 					if dlq == "" || ev.Subject != dlq+"."+ev.DeadLetter.Code {
 						t.Fatalf("dead letter %+v", ev)
 					}
-					if ev.DeadLetter.Code == ReasonBadEnvelope && string(ev.Payload) != string(content) {
+					if ev.DeadLetter.Code == format.ReasonBadEnvelope && string(ev.Payload) != string(content) {
 						t.Fatalf("bad envelope dead letter lost the content")
 					}
 					continue

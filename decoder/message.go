@@ -10,6 +10,8 @@ import (
 	"strings"
 	"unicode/utf8"
 
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/jackc/pglogrepl"
 )
 
@@ -113,7 +115,7 @@ func (c *Config) fillMessage(ev *Event, content []byte) *InvalidEventError {
 	cols, base64Payload, err := parseEnvelope(content)
 	if err != nil {
 		ev.Payload = append([]byte(nil), content...)
-		ie := invalid(ReasonBadEnvelope, "", "message content is not a jetbox envelope: "+err.Error(),
+		ie := invalid(format.ReasonBadEnvelope, "", "message content is not a jetbox envelope: "+err.Error(),
 			`emit a JSON object {"id", "aggregate_type", "aggregate_id", "event_type", "payload" (or "payload_base64"), "headers"?}, e.g. with jetbox_emit() (see docs/routing.md)`)
 		ie.Message = true
 		return ie

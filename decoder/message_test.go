@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/jackc/pglogrepl"
 )
 
@@ -128,33 +130,33 @@ func TestInvalidEnvelopes(t *testing.T) {
 		return string(b)
 	}
 	cases := []struct{ name, content, code string }{
-		{"not json", `{"id":`, ReasonBadEnvelope},
-		{"array", `[1]`, ReasonBadEnvelope},
-		{"empty", ``, ReasonBadEnvelope},
-		{"trailing text", with("id", id1) + " x", ReasonBadEnvelope},
-		{"two objects", with("id", id1) + "{}", ReasonBadEnvelope},
-		{"bad utf8", "{\"id\":\"\xff\"}", ReasonBadEnvelope},
-		{"unknown field", with("event-type", "E"), ReasonBadEnvelope},
-		{"duplicate field", `{"id":"a","id":"b","aggregate_type":"o","aggregate_id":"1","event_type":"E","payload":1}`, ReasonBadEnvelope},
-		{"numeric type", with("aggregate_type", 5), ReasonBadEnvelope},
-		{"object id", with("id", map[string]any{}), ReasonBadEnvelope},
-		{"both payloads", with("payload_base64", "AA=="), ReasonBadEnvelope},
-		{"base64 not a string", strings.Replace(with("payload", nil), `{`, `{"payload_base64":1,`, 1), ReasonBadEnvelope},
-		{"bad base64", strings.Replace(with("payload", nil), `{`, `{"payload_base64":"!!",`, 1), ReasonBadEnvelope},
-		{"no id", with("id", nil), ReasonBadID},
-		{"empty id", with("id", ""), ReasonBadID},
-		{"Nats- id", with("id", "x-Nats-Msg-Id"), ReasonBadID},
-		{"no aggregate_type", with("aggregate_type", nil), ReasonNullColumn},
-		{"no event_type", with("event_type", nil), ReasonNullColumn},
-		{"aggregate_id control", with("aggregate_id", "a\nb"), ReasonBadAggregateID},
-		{"dotted type", with("aggregate_type", "a.b"), ReasonBadSubject},
-		{"wildcard event", with("event_type", "*"), ReasonBadSubject},
-		{"no payload", with("payload", nil), ReasonNullPayload},
-		{"null payload", strings.Replace(with("payload", nil), `{`, `{"payload":null,`, 1), ReasonNullPayload},
-		{"headers array", with("headers", []any{1}), ReasonBadHeaders},
-		{"headers number value", with("headers", map[string]any{"a": 1}), ReasonBadHeaders},
-		{"reserved header", with("headers", map[string]any{"Nats-Msg-Id": "x"}), ReasonBadHeaders},
-		{"too large", with("payload", strings.Repeat("x", 2000)), ReasonTooLarge},
+		{"not json", `{"id":`, format.ReasonBadEnvelope},
+		{"array", `[1]`, format.ReasonBadEnvelope},
+		{"empty", ``, format.ReasonBadEnvelope},
+		{"trailing text", with("id", id1) + " x", format.ReasonBadEnvelope},
+		{"two objects", with("id", id1) + "{}", format.ReasonBadEnvelope},
+		{"bad utf8", "{\"id\":\"\xff\"}", format.ReasonBadEnvelope},
+		{"unknown field", with("event-type", "E"), format.ReasonBadEnvelope},
+		{"duplicate field", `{"id":"a","id":"b","aggregate_type":"o","aggregate_id":"1","event_type":"E","payload":1}`, format.ReasonBadEnvelope},
+		{"numeric type", with("aggregate_type", 5), format.ReasonBadEnvelope},
+		{"object id", with("id", map[string]any{}), format.ReasonBadEnvelope},
+		{"both payloads", with("payload_base64", "AA=="), format.ReasonBadEnvelope},
+		{"base64 not a string", strings.Replace(with("payload", nil), `{`, `{"payload_base64":1,`, 1), format.ReasonBadEnvelope},
+		{"bad base64", strings.Replace(with("payload", nil), `{`, `{"payload_base64":"!!",`, 1), format.ReasonBadEnvelope},
+		{"no id", with("id", nil), format.ReasonBadID},
+		{"empty id", with("id", ""), format.ReasonBadID},
+		{"Nats- id", with("id", "x-Nats-Msg-Id"), format.ReasonBadID},
+		{"no aggregate_type", with("aggregate_type", nil), format.ReasonNullColumn},
+		{"no event_type", with("event_type", nil), format.ReasonNullColumn},
+		{"aggregate_id control", with("aggregate_id", "a\nb"), format.ReasonBadAggregateID},
+		{"dotted type", with("aggregate_type", "a.b"), format.ReasonBadSubject},
+		{"wildcard event", with("event_type", "*"), format.ReasonBadSubject},
+		{"no payload", with("payload", nil), format.ReasonNullPayload},
+		{"null payload", strings.Replace(with("payload", nil), `{`, `{"payload":null,`, 1), format.ReasonNullPayload},
+		{"headers array", with("headers", []any{1}), format.ReasonBadHeaders},
+		{"headers number value", with("headers", map[string]any{"a": 1}), format.ReasonBadHeaders},
+		{"reserved header", with("headers", map[string]any{"Nats-Msg-Id": "x"}), format.ReasonBadHeaders},
+		{"too large", with("payload", strings.Repeat("x", 2000)), format.ReasonTooLarge},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -178,10 +180,10 @@ func TestInvalidEnvelopes(t *testing.T) {
 			if m.Kind != KindEvent || ev.DeadLetter == nil || ev.Subject != "outbox._dlq."+c.code || ev.ID != "jetbox-dlq-0/1000-0" {
 				t.Fatalf("dead letter %+v", ev)
 			}
-			if h := header(ev, HeaderMessagePrefix); h != "jetbox" || header(ev, HeaderTable) != "" {
+			if h := header(ev, format.HeaderMessagePrefix); h != "jetbox" || header(ev, format.HeaderTable) != "" {
 				t.Fatalf("dead letter source headers %+v", ev.Headers)
 			}
-			if c.code == ReasonBadEnvelope && string(ev.Payload) != c.content {
+			if c.code == format.ReasonBadEnvelope && string(ev.Payload) != c.content {
 				t.Fatalf("bad envelope dead letter payload %q, want the content", ev.Payload)
 			}
 		})

@@ -6,6 +6,8 @@ import (
 	"strings"
 	"unicode/utf8"
 
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5/pgtype"
 )
@@ -148,28 +150,10 @@ func (d *Decoder) newRelation(m *pglogrepl.RelationMessage, partition bool) *rel
 	return r
 }
 
-// Reasons a row cannot be published. Each is one NATS subject token: with
-// dead-lettering on, the dead letter goes to <dead-letter subject>.<reason>.
-const (
-	ReasonBadID          = "bad-id"           // NULL, empty, with control characters or holding "Nats-"
-	ReasonNullColumn     = "null-column"      // aggregate_type, aggregate_id or event_type is NULL
-	ReasonBadAggregateID = "bad-aggregate-id" // holds control characters (it is sent as a header)
-	ReasonBadSubject     = "bad-subject"      // a value the subject template uses is not one subject token
-	ReasonBadEnvelope    = "bad-envelope"     // a logical decoding message that is not a valid envelope
-	ReasonNullPayload    = "null-payload"
-	ReasonBadPayload     = "bad-payload"  // a value in a form jetbox cannot read
-	ReasonBadHeaders     = "bad-headers"  // not a JSON object of string values, or reserved names
-	ReasonTooLarge       = "too-large"    // over the server's max_payload or the stream's max_msg_size
-	ReasonDuplicateID    = "duplicate-id" // the id of another row still inside the duplicate window
-	// ReasonTableChanged: the table no longer has the outbox columns (DDL).
-	// It concerns every row, so jetbox always stops on it.
-	ReasonTableChanged = "table-changed"
-)
-
 // InvalidEventError is an outbox row that cannot be published as it is.
 // With --on-invalid=stop the forwarder stops on it without confirming past
 // the row; with dead-lettering it publishes a dead letter instead (see
-// Config.DeadLetter), except for ReasonTableChanged.
+// Config.DeadLetter), except for format.ReasonTableChanged.
 type InvalidEventError struct {
 	ID      string        // the row id, "" when the id itself is the problem
 	LSN     pglogrepl.LSN // commit LSN of the row's transaction
@@ -200,14 +184,7 @@ func (e *InvalidEventError) Error() string {
 }
 
 // DeadLetterable reports whether a dead letter may replace the row.
-func (e *InvalidEventError) DeadLetterable() bool { return e.Code != ReasonTableChanged }
-
-// Reasons returns every reason a row cannot be published, in the order
-// above; all but ReasonTableChanged can be dead-lettered.
-func Reasons() []string {
-	return []string{ReasonBadID, ReasonNullColumn, ReasonBadAggregateID, ReasonBadSubject, ReasonBadEnvelope, ReasonNullPayload,
-		ReasonBadPayload, ReasonBadHeaders, ReasonTooLarge, ReasonDuplicateID, ReasonTableChanged}
-}
+func (e *InvalidEventError) DeadLetterable() bool { return e.Code != format.ReasonTableChanged }
 
 // IgnoredReasons returns every reason a logical decoding message publishes nothing.
 func IgnoredReasons() []string {
@@ -222,7 +199,7 @@ func invalid(code, col, reason, hint string) *InvalidEventError {
 // still holds what could be read (raw values), for a dead letter.
 func (r *relation) fill(ev *Event, cols []column, cfg *Config) *InvalidEventError {
 	if r.problem != "" {
-		return invalid(ReasonTableChanged, "", "table "+r.name+" no longer fits the outbox contract: "+r.problem,
+		return invalid(format.ReasonTableChanged, "", "table "+r.name+" no longer fits the outbox contract: "+r.problem,
 			"restore the columns (or point the --*-column flags at the new names) and restart jetbox")
 	}
 	// The four text columns share one allocation.
@@ -258,7 +235,7 @@ func (r *relation) fill(ev *Event, cols []column, cfg *Config) *InvalidEventErro
 		ev.Payload = append([]byte(nil), p.data...)
 	}
 	err := r.check(ev, cols, cfg)
-	if err != nil && err.Code != ReasonBadID {
+	if err != nil && err.Code != format.ReasonBadID {
 		err.ID = ev.ID
 	}
 	return err
@@ -276,29 +253,29 @@ func (r *relation) check(ev *Event, cols []column, cfg *Config) *InvalidEventErr
 			return invalid(code, name, fmt.Sprintf("column %q arrived as %q, not text", name, cols[i].kind), "")
 		}
 	}
-	if err := text(r.id, "id", ReasonBadID); err != nil {
+	if err := text(r.id, "id", format.ReasonBadID); err != nil {
 		return err
 	}
 	if ev.ID == "" || !printable(ev.ID) {
-		return invalid(ReasonBadID, "id", fmt.Sprintf("id %q is empty or holds control characters", ev.ID), "ids become Nats-Msg-Id: use uuid ids")
+		return invalid(format.ReasonBadID, "id", fmt.Sprintf("id %q is empty or holds control characters", ev.ID), "ids become Nats-Msg-Id: use uuid ids")
 	}
 	if mentionsNATSHeader(ev.ID) {
-		return invalid(ReasonBadID, "id", fmt.Sprintf("id %q holds \"Nats-\"", ev.ID),
+		return invalid(format.ReasonBadID, "id", fmt.Sprintf("id %q holds \"Nats-\"", ev.ID),
 			"ids become Nats-Msg-Id, and NATS servers before 2.11 find their own headers by text search: it could hide the order guard or the next message's Nats-Msg-Id; use uuid ids")
 	}
 	for _, c := range []struct {
 		i    int
 		name string
 	}{{r.aggType, "aggregate_type"}, {r.aggID, "aggregate_id"}, {r.evType, "event_type"}} {
-		if err := text(c.i, c.name, ReasonNullColumn); err != nil {
+		if err := text(c.i, c.name, format.ReasonNullColumn); err != nil {
 			return err
 		}
 	}
 	if !printable(ev.AggregateID) {
-		return invalid(ReasonBadAggregateID, "aggregate_id", fmt.Sprintf("aggregate_id %q holds control characters", ev.AggregateID), "it is sent as a header: strip CR, LF and other control characters")
+		return invalid(format.ReasonBadAggregateID, "aggregate_id", fmt.Sprintf("aggregate_id %q holds control characters", ev.AggregateID), "it is sent as a header: strip CR, LF and other control characters")
 	}
-	for _, c := range []struct{ name, v, code string }{{"aggregate_id", ev.AggregateID, ReasonBadAggregateID},
-		{"aggregate_type", ev.AggregateType, ReasonBadSubject}, {"event_type", ev.EventType, ReasonBadSubject}} {
+	for _, c := range []struct{ name, v, code string }{{"aggregate_id", ev.AggregateID, format.ReasonBadAggregateID},
+		{"aggregate_type", ev.AggregateType, format.ReasonBadSubject}, {"event_type", ev.EventType, format.ReasonBadSubject}} {
 		if mentionsNATSHeader(c.v) {
 			return invalid(c.code, c.name, fmt.Sprintf("%s %q holds \"Nats-\"", c.name, c.v),
 				"it is sent as a header, and NATS servers before 2.11 find their own headers by text search: it could hide Nats-Msg-Id (no dedup) or the order guard")
@@ -317,16 +294,16 @@ func (r *relation) check(ev *Event, cols []column, cfg *Config) *InvalidEventErr
 		var serr error
 		if subject, serr = cfg.subject(ev); serr != nil {
 			if cfg.Subjects == nil {
-				return invalid(ReasonBadSubject, "", serr.Error(), "aggregate_type and event_type must each be one NATS subject token: no spaces, '.', '*', '>' or control characters, and not starting with '_' (jetbox's own subjects)")
+				return invalid(format.ReasonBadSubject, "", serr.Error(), "aggregate_type and event_type must each be one NATS subject token: no spaces, '.', '*', '>' or control characters, and not starting with '_' (jetbox's own subjects)")
 			}
-			return invalid(ReasonBadSubject, "", serr.Error(), "every value the subject template "+cfg.Subjects.String()+" uses must be one NATS subject token: no spaces, '.', '*', '>' or control characters, and none that starts a token with '_' (jetbox's own subjects)")
+			return invalid(format.ReasonBadSubject, "", serr.Error(), "every value the subject template "+cfg.Subjects.String()+" uses must be one NATS subject token: no spaces, '.', '*', '>' or control characters, and none that starts a token with '_' (jetbox's own subjects)")
 		}
 		if max := cfg.MaxSubjectLength; max > 0 && len(subject) > max {
-			return invalid(ReasonBadSubject, "", fmt.Sprintf("subject %s... is %d bytes, over the limit of %d (the NATS server's max_control_line less the reply subject and sizes: a longer line makes the server close the connection)", truncate(subject, 64), len(subject), max),
+			return invalid(format.ReasonBadSubject, "", fmt.Sprintf("subject %s... is %d bytes, over the limit of %d (the NATS server's max_control_line less the reply subject and sizes: a longer line makes the server close the connection)", truncate(subject, 64), len(subject), max),
 				"keep the values the subject holds (aggregate_type, event_type, aggregate_id with {aggregate_id}) short, or raise max_control_line on the NATS server and --nats-max-control-line with it")
 		}
 		if dl := cfg.DeadLetterSubject; dl != "" && strings.HasPrefix(subject, dl+".") {
-			return invalid(ReasonBadSubject, "", fmt.Sprintf("subject %s is inside the dead-letter subjects %s.>", subject, dl), "use another aggregate_type, or another --dead-letter-subject")
+			return invalid(format.ReasonBadSubject, "", fmt.Sprintf("subject %s is inside the dead-letter subjects %s.>", subject, dl), "use another aggregate_type, or another --dead-letter-subject")
 		}
 		if cache {
 			if r.subjects == nil || len(r.subjects) >= maxSubjects {
@@ -345,14 +322,14 @@ func (r *relation) check(ev *Event, cols []column, cfg *Config) *InvalidEventErr
 			b, derr := decodeByteaHex(p.data)
 			if derr != nil {
 				ev.Payload = append([]byte(nil), p.data...)
-				return invalid(ReasonBadPayload, "payload", "bytea payload: "+derr.Error(), "jetbox sets bytea_output=hex on its connection; report this as a bug")
+				return invalid(format.ReasonBadPayload, "payload", "bytea payload: "+derr.Error(), "jetbox sets bytea_output=hex on its connection; report this as a bug")
 			}
 			ev.Payload = b
 		}
 	case 'n':
-		return invalid(ReasonNullPayload, "payload", "payload is NULL", "make the payload column NOT NULL and fix the producer")
+		return invalid(format.ReasonNullPayload, "payload", "payload is NULL", "make the payload column NOT NULL and fix the producer")
 	default:
-		return invalid(ReasonBadPayload, "payload", fmt.Sprintf("payload arrived as %q, not text", p.kind), "")
+		return invalid(format.ReasonBadPayload, "payload", fmt.Sprintf("payload arrived as %q, not text", p.kind), "")
 	}
 
 	if r.headers >= 0 {
@@ -361,11 +338,11 @@ func (r *relation) check(ev *Event, cols []column, cfg *Config) *InvalidEventErr
 			hs, herr := parseHeaders(h.data)
 			if herr != nil {
 				ev.rawHeaders = string(h.data)
-				return invalid(ReasonBadHeaders, "headers", herr.Error(), "write a JSON object of string values, e.g. {\"traceparent\":\"00-...\"}")
+				return invalid(format.ReasonBadHeaders, "headers", herr.Error(), "write a JSON object of string values, e.g. {\"traceparent\":\"00-...\"}")
 			}
 			ev.Headers = hs
 		} else if h.kind != 'n' {
-			return invalid(ReasonBadHeaders, "headers", fmt.Sprintf("headers arrived as %q, not text", h.kind), "")
+			return invalid(format.ReasonBadHeaders, "headers", fmt.Sprintf("headers arrived as %q, not text", h.kind), "")
 		}
 	}
 	return cfg.checkSize(ev)
@@ -374,7 +351,7 @@ func (r *relation) check(ev *Event, cols []column, cfg *Config) *InvalidEventErr
 // checkSize refuses an event whose message is over MaxMessageSize.
 func (c *Config) checkSize(ev *Event) *InvalidEventError {
 	if size, max := c.size(ev), c.MaxMessageSize; max > 0 && size > max {
-		return invalid(ReasonTooLarge, "payload", fmt.Sprintf("message of at least %d bytes (payload %d) is over the limit of %d bytes (the server's max_payload or the stream's max_msg_size)", size, len(ev.Payload), max),
+		return invalid(format.ReasonTooLarge, "payload", fmt.Sprintf("message of at least %d bytes (payload %d) is over the limit of %d bytes (the server's max_payload or the stream's max_msg_size)", size, len(ev.Payload), max),
 			"raise max_payload on the NATS server (and the stream's max_msg_size), or keep outbox payloads smaller (e.g. a CHECK on octet_length(payload))")
 	}
 	return nil

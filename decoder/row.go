@@ -3,6 +3,8 @@ package decoder
 import (
 	"time"
 
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/jackc/pglogrepl"
 )
 
@@ -34,7 +36,7 @@ func NewRowDecoder(cfg Config, cols []TableColumn) *RowDecoder {
 // or a dead letter when Config.DeadLetterSubject is set.
 func (r *RowDecoder) Decode(values [][]byte, commitLSN pglogrepl.LSN, commitTime time.Time, txIndex int) (Event, error) {
 	if len(values) != r.rel.ncols {
-		return Event{}, &InvalidEventError{LSN: commitLSN, TxIndex: txIndex, Code: ReasonTableChanged,
+		return Event{}, &InvalidEventError{LSN: commitLSN, TxIndex: txIndex, Code: format.ReasonTableChanged,
 			Reason: "row has a different number of columns than the table", Hint: "report this as a bug"}
 	}
 	cols := make([]column, len(values))

@@ -7,6 +7,8 @@ import (
 	"sort"
 	"strings"
 	"unicode/utf8"
+
+	"github.com/jetbox-dev/jetbox/sink/format"
 )
 
 // Subject returns "<prefix>.<aggregateType>.<eventType>", or an error when a
@@ -58,7 +60,7 @@ func validValue(v string, first bool) error {
 		return err
 	}
 	if first && strings.HasPrefix(v, "_") {
-		return fmt.Errorf("starts with '_', which marks jetbox's own subjects (<prefix>._dlq, <prefix>._jetbox...)")
+		return fmt.Errorf("starts with '_', which marks jetbox's own subjects (<prefix>.%s, <prefix>.%s...)", format.DeadLetterToken, format.ProbeToken)
 	}
 	return nil
 }

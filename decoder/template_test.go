@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/nats-io/nats-server/v2/server"
 )
 
@@ -152,11 +154,11 @@ func TestTemplateRows(t *testing.T) {
 	}
 	_, err := d.Decode(insertMsg(5, s(id1), s("order"), s("o.1"), s("E"), s(`{}`), nil, nil))
 	var ie *InvalidEventError
-	if !errors.As(err, &ie) || ie.Code != ReasonBadSubject || !strings.Contains(ie.Error(), "aggregate_id") {
+	if !errors.As(err, &ie) || ie.Code != format.ReasonBadSubject || !strings.Contains(ie.Error(), "aggregate_id") {
 		t.Fatalf("%v", err)
 	}
 	_, err = d.Decode(logicalMsg(true, 1, "jetbox", `{"id":"m1","aggregate_type":"order","aggregate_id":"o 1","event_type":"E","payload":1}`))
-	if !errors.As(err, &ie) || ie.Code != ReasonBadSubject || !ie.Message {
+	if !errors.As(err, &ie) || ie.Code != format.ReasonBadSubject || !ie.Message {
 		t.Fatalf("message: %v", err)
 	}
 }
@@ -202,7 +204,7 @@ func TestSubjectLength(t *testing.T) {
 				}
 				if dlq == "" {
 					var ie *InvalidEventError
-					if !errors.As(err, &ie) || ie.Code != ReasonBadSubject || ie.ID == "" ||
+					if !errors.As(err, &ie) || ie.Code != format.ReasonBadSubject || ie.ID == "" ||
 						!strings.Contains(err.Error(), "over the limit of 100") || !strings.Contains(err.Error(), "max_control_line") || len(err.Error()) > 1024 {
 						t.Fatalf("got %v", err)
 					}

@@ -10,9 +10,10 @@ import (
 	"strings"
 	"time"
 
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/rs/zerolog"
 )
 
@@ -43,7 +44,7 @@ type StreamTip struct {
 // AcceptLostRows, Forget is called with the tip an accepted loss abandons
 // and the slot's position, where the slot's replay of it starts.
 type TipSource interface {
-	// Tip returns the last message that writer (decoder.Origin.Writer)
+	// Tip returns the last message that writer (format.Origin.Writer)
 	// stored on jetbox's subjects.
 	Tip(ctx context.Context, writer string) (StreamTip, bool, error)
 	Forget(tip StreamTip, from pglogrepl.LSN)
@@ -96,7 +97,7 @@ func (e *HistoryError) Permanent() bool { return true }
 
 // sourceOf is the WAL history an event comes from (decoder.Event.Source).
 func sourceOf(sys pglogrepl.IdentifySystemResult, slot string) string {
-	return decoder.Origin{SystemID: sys.SystemID, Timeline: sys.Timeline, Database: sys.DBName, Slot: slot}.String()
+	return format.Origin{SystemID: sys.SystemID, Timeline: sys.Timeline, Database: sys.DBName, Slot: slot}.String()
 }
 
 // server is what VerifyHistory needs to know about Postgres.
@@ -122,7 +123,7 @@ func verify(ctx context.Context, tip StreamTip, haveTip bool, srv server, slot s
 	if !haveTip {
 		return nil
 	}
-	src, ok := decoder.ParseOrigin(tip.Source)
+	src, ok := format.ParseOrigin(tip.Source)
 	if !ok || src.SystemID != srv.sys.SystemID || src.Database != srv.sys.DBName || src.Slot != slot {
 		return nil // not this database's history
 	}
@@ -239,7 +240,7 @@ func checkHistory(ctx context.Context, conn *pgconn.PgConn, cfg Config, ts TipSo
 		if err != nil {
 			return server{}, StreamTip{}, false, fmt.Errorf("identify system: %w", err)
 		}
-		writer := decoder.Origin{SystemID: sys.SystemID, Database: sys.DBName, Slot: cfg.Slot}.Writer()
+		writer := format.Origin{SystemID: sys.SystemID, Database: sys.DBName, Slot: cfg.Slot}.Writer()
 		if tip, ok, err = ts.Tip(ctx, writer); err != nil {
 			return server{}, StreamTip{}, false, fmt.Errorf("read the stream's last jetbox message: %w", err)
 		}
@@ -267,7 +268,7 @@ func checkHistory(ctx context.Context, conn *pgconn.PgConn, cfg Config, ts TipSo
 // ownTip reports whether the tip comes from this database and slot (on any
 // timeline: verify checked the server continues it).
 func ownTip(tip StreamTip, sys pglogrepl.IdentifySystemResult, slot string) bool {
-	src, ok := decoder.ParseOrigin(tip.Source)
+	src, ok := format.ParseOrigin(tip.Source)
 	return ok && src.SystemID == sys.SystemID && src.Database == sys.DBName && src.Slot == slot
 }
 

@@ -12,6 +12,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/jackc/pglogrepl"
 	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/nats-io/nats.go"
@@ -80,7 +82,7 @@ type batchMsg struct {
 	msg       *nats.Msg
 	done      func(error)
 	id        string
-	pos       Position
+	pos       format.Position
 	committed time.Time
 	span      otelSpan // tracing (sink/trace.go); nil when off
 }
@@ -195,7 +197,7 @@ func (p *Publisher) AtomicBatchLimit(ctx context.Context) (int, error) {
 		return 1, nil // a probe of 1 would open a batch
 	}
 	fits := func(n int) (bool, error) {
-		code, err := p.probe(ctx, p.cfg.SubjectPrefix+"._jetbox.probe", "", n, false)
+		code, err := p.probe(ctx, p.cfg.SubjectPrefix+"."+format.ProbeToken+".probe", "", n, false)
 		switch {
 		case err != nil:
 			return false, fmt.Errorf("ask NATS for its atomic batch limit: %w", err)
@@ -341,7 +343,7 @@ func (s *AtomicSession) seal(last bool) {
 		return
 	}
 	if last {
-		s.open[len(s.open)-1].msg.Header[HeaderTxLast] = []string{"true"}
+		s.open[len(s.open)-1].msg.Header[format.HeaderTxLast] = []string{"true"}
 	}
 	s.queue = append(s.queue, s.open)
 	s.open = nil
@@ -566,7 +568,7 @@ func (s *AtomicSession) explain(batch []batchMsg, err error) (int, error) {
 
 // streamHolds reports whether the stream's last message is, now, from
 // this source at or after pos.
-func (s *AtomicSession) streamHolds(ctx context.Context, pos Position) (bool, error) {
+func (s *AtomicSession) streamHolds(ctx context.Context, pos format.Position) (bool, error) {
 	st, err := s.p.js.Stream(ctx, s.p.cfg.Stream)
 	if err != nil {
 		return false, fmt.Errorf("look up stream %q: %w", s.p.cfg.Stream, err)
@@ -582,9 +584,9 @@ func (s *AtomicSession) streamHolds(ctx context.Context, pos Position) (bool, er
 	if err != nil {
 		return false, err
 	}
-	last, ok := ParsePosition(m.Header)
+	last, ok := format.ParsePosition(m.Header)
 	// A message of an abandoned history (ForgetHistory) has no comparable position.
-	return ok && m.Sequence > s.p.forgetThrough.Load() && decoder.SameWriter(m.Header.Get(HeaderSource), s.source) && !last.Less(pos), nil
+	return ok && m.Sequence > s.p.forgetThrough.Load() && format.SameWriter(m.Header.Get(format.HeaderSource), s.source) && !last.Less(pos), nil
 }
 
 // oversized returns the first message of a refused batch over the limits

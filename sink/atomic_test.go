@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/jackc/pglogrepl"
 	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/jetbox-dev/jetbox/internal/testenv"
@@ -128,7 +130,7 @@ func TestAtomicTransactions(t *testing.T) {
 			if m.ID != ev.ID {
 				t.Fatalf("seq %d holds %s, want %s", m.Seq, m.ID, ev.ID)
 			}
-			if last := m.Header.Get(sink.HeaderTxLast) == "true"; last != (i == len(tx)-1) {
+			if last := m.Header.Get(format.HeaderTxLast) == "true"; last != (i == len(tx)-1) {
 				t.Fatalf("%s (row %d of %d): Jetbox-Tx-Last %v", ev.ID, i, len(tx), last)
 			}
 		}
@@ -141,12 +143,12 @@ func TestAtomicTransactions(t *testing.T) {
 			t.Fatalf("a batch of %d messages", len(b))
 		}
 		end := b[len(b)-1]
-		if end.Header.Get(sink.HeaderTxLast) != "true" && (len(b) != 1000 || !strings.HasPrefix(end.ID, "big-")) {
+		if end.Header.Get(format.HeaderTxLast) != "true" && (len(b) != 1000 || !strings.HasPrefix(end.ID, "big-")) {
 			t.Fatalf("batch of %d ending at seq %d (%s) cuts a transaction", len(b), end.Seq, end.ID)
 		}
 		lsns := map[string]bool{}
 		for _, m := range b {
-			lsns[m.Header.Get(sink.HeaderCommitLSN)] = true
+			lsns[m.Header.Get(format.HeaderCommitLSN)] = true
 		}
 		shared = shared || len(lsns) > 1
 	}
@@ -205,7 +207,7 @@ func TestAtomicFlushWhenStuck(t *testing.T) {
 		t.Fatalf("%d messages stored, want 8", len(msgs))
 	}
 	b := batches(t, msgs)
-	if len(b) != 2 || len(b[0]) != 5 || b[0][4].Header.Get(sink.HeaderTxLast) != "" || b[1][2].Header.Get(sink.HeaderTxLast) != "true" {
+	if len(b) != 2 || len(b[0]) != 5 || b[0][4].Header.Get(format.HeaderTxLast) != "" || b[1][2].Header.Get(format.HeaderTxLast) != "true" {
 		t.Fatalf("batches %d, want the flushed 5 unmarked then 3 ending the transaction", len(b))
 	}
 }
@@ -234,7 +236,7 @@ func TestAtomicReplaySkippedAndRepeatedID(t *testing.T) {
 	}
 	isDup := func(err error, id string) bool {
 		var ie *decoder.InvalidEventError
-		return errors.As(err, &ie) && ie.Code == decoder.ReasonDuplicateID && ie.ID == id
+		return errors.As(err, &ie) && ie.Code == format.ReasonDuplicateID && ie.ID == id
 	}
 	isInvalid := func(err error) bool { var ie *decoder.InvalidEventError; return errors.As(err, &ie) }
 	// Row 2 of the next transaction reuses a stored id.
@@ -461,7 +463,7 @@ func TestAtomicTooLargeNeverStoredInPart(t *testing.T) {
 			c.lower(t, n, js, nc)
 			tooLarge := func(err error, id string) bool {
 				var ie *decoder.InvalidEventError
-				return errors.As(err, &ie) && ie.Code == decoder.ReasonTooLarge && ie.ID == id
+				return errors.As(err, &ie) && ie.Code == format.ReasonTooLarge && ie.ID == id
 			}
 			isInvalid := func(err error) bool { var ie *decoder.InvalidEventError; return errors.As(err, &ie) }
 

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/jetbox-dev/jetbox/internal/check"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -140,7 +142,7 @@ func (p *Publisher) checkAtomic(ctx context.Context, l *check.List, exists, stre
 		problem(err)
 		return
 	}
-	l.Add(check.Info, "nats.atomic", fmt.Sprintf("atomic batches of up to %d messages: a transaction of up to %d rows is stored whole or not at all; larger ones in atomic chunks, the last message marked %s: true", n, n, HeaderTxLast), "")
+	l.Add(check.Info, "nats.atomic", fmt.Sprintf("atomic batches of up to %d messages: a transaction of up to %d rows is stored whole or not at all; larger ones in atomic chunks, the last message marked %s: true", n, n, format.HeaderTxLast), "")
 }
 
 // SharedStreamFix is the fix for a stream that cannot support exactly-once
@@ -200,7 +202,7 @@ func (p *Publisher) checkExactlyOnce(ctx context.Context, l *check.List, s jetst
 	if st.LastSeq > 0 {
 		if m, err := s.GetMsg(ctx, st.LastSeq); err != nil {
 			refuse(fmt.Sprintf("cannot read the stream's last message (seq %d), where exactly-once resumes: %v", st.LastSeq, err))
-		} else if _, ok := ParsePosition(m.Header); !ok {
+		} else if _, ok := format.ParsePosition(m.Header); !ok {
 			refuse(fmt.Sprintf("the stream's last message (seq %d, subject %s) was not written by jetbox: another publisher writes the stream", st.LastSeq, m.Subject))
 		} else if problems == 0 {
 			l.Add(check.Info, name, fmt.Sprintf("exactly-once: resumes after seq %d", st.LastSeq), "")

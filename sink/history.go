@@ -6,8 +6,9 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/jackc/pglogrepl"
-	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -37,7 +38,7 @@ type Tip struct {
 }
 
 // Tip returns the last message on <prefix>.> that writer (a
-// decoder.Origin's Writer: this system, database and slot) stored; ok is
+// format.Origin's Writer: this system, database and slot) stored; ok is
 // false when the stream does not exist or holds none. In a stream shared
 // with other writers (dedup mode: other databases, or other publishers on
 // the prefix) the last message on jetbox's subjects may be another's: the
@@ -105,16 +106,16 @@ func (p *Publisher) rememberTip(writer string, through uint64, t Tip, found bool
 
 // tipOf returns the message at seq with headers h as a Tip, if writer stored it.
 func tipOf(seq uint64, subject string, stored time.Time, h nats.Header, writer string) (Tip, bool) {
-	pos, ok := ParsePosition(h)
-	src := h.Get(HeaderSource)
-	o, parsed := decoder.ParseOrigin(src)
+	pos, ok := format.ParsePosition(h)
+	src := h.Get(format.HeaderSource)
+	o, parsed := format.ParseOrigin(src)
 	if !ok || !parsed || o.Writer() != writer {
 		return Tip{}, false
 	}
-	return Tip{Seq: seq, Source: src, CommitLSN: pglogrepl.LSN(pos.CommitLSN), TxIndex: pos.TxIndex, ID: h.Get(jetstream.MsgIDHeader), RowID: h.Get(decoder.HeaderRowID),
-		CommitTime: h.Get(HeaderCommitTime), Scheme: h.Get(HeaderIndexScheme), Routing: h.Get(HeaderRouting), TxLast: h.Get(HeaderTxLast) == "true",
-		AggregateType: h.Get(HeaderAggregateType), AggregateID: h.Get(HeaderAggregateID), EventType: h.Get(HeaderEventType),
-		Stored: stored, RepairSince: h.Get(HeaderRepairSince), Subject: subject}, true
+	return Tip{Seq: seq, Source: src, CommitLSN: pglogrepl.LSN(pos.CommitLSN), TxIndex: pos.TxIndex, ID: h.Get(jetstream.MsgIDHeader), RowID: h.Get(format.HeaderRowID),
+		CommitTime: h.Get(format.HeaderCommitTime), Scheme: h.Get(format.HeaderIndexScheme), Routing: h.Get(format.HeaderRouting), TxLast: h.Get(format.HeaderTxLast) == "true",
+		AggregateType: h.Get(format.HeaderAggregateType), AggregateID: h.Get(format.HeaderAggregateID), EventType: h.Get(format.HeaderEventType),
+		Stored: stored, RepairSince: h.Get(format.HeaderRepairSince), Subject: subject}, true
 }
 
 // scanHeaders calls fn for every message on filter ("": any subject) from
@@ -173,9 +174,9 @@ func scanHeaders(ctx context.Context, st jetstream.Stream, filter string, from, 
 // (read once, back from seq, for source's writer), so the shared part is
 // not stored again once the duplicate window has passed, and the rest is
 // published.
-func (p *Publisher) ForgetHistory(seq uint64, source string, from Position) {
+func (p *Publisher) ForgetHistory(seq uint64, source string, from format.Position) {
 	writer := source
-	if o, ok := decoder.ParseOrigin(source); ok {
+	if o, ok := format.ParseOrigin(source); ok {
 		writer = o.Writer()
 	}
 	p.forgetMu.Lock()
@@ -191,9 +192,9 @@ func (p *Publisher) ForgetPositionsThrough(seq uint64) { p.forgetThrough.Store(s
 type forgotten struct {
 	seq     uint64
 	writer  string
-	from    Position
-	index   map[Position]string // what the stream holds of it from from on; nil until read
-	partial bool                // more than maxAbandoned messages: not all are in index
+	from    format.Position
+	index   map[format.Position]string // what the stream holds of it from from on; nil until read
+	partial bool                       // more than maxAbandoned messages: not all are in index
 }
 
 // maxAbandoned bounds the index of an abandoned history (about 100 bytes each).
@@ -201,7 +202,7 @@ const maxAbandoned = 1_000_000
 
 // abandonedIndex returns what the stream holds of the abandoned history at
 // the positions the slot replays (nil: none forgotten), reading it once.
-func (p *Publisher) abandonedIndex(ctx context.Context) (map[Position]string, error) {
+func (p *Publisher) abandonedIndex(ctx context.Context) (map[format.Position]string, error) {
 	p.forgetMu.Lock()
 	defer p.forgetMu.Unlock()
 	f := p.forgotten
@@ -217,15 +218,15 @@ func (p *Publisher) abandonedIndex(ctx context.Context) (map[Position]string, er
 	if err != nil {
 		return nil, fmt.Errorf("look up stream %q: %w", p.cfg.Stream, err)
 	}
-	index := map[Position]string{}
+	index := map[format.Position]string{}
 	first := st.CachedInfo().State.FirstSeq
 	const page = 10_000
 	for end := f.seq; end >= first && end > 0 && !f.partial; {
 		start := max(first, end-min(end, page-1))
 		older := false // a message of the writer before from: the rest is older (positions increase)
 		err := scanHeaders(ctx, st, "", start, end, func(seq uint64, _ string, _ time.Time, h nats.Header) {
-			pos, ok := ParsePosition(h)
-			o, parsed := decoder.ParseOrigin(h.Get(HeaderSource))
+			pos, ok := format.ParsePosition(h)
+			o, parsed := format.ParseOrigin(h.Get(format.HeaderSource))
 			if !ok || !parsed || o.Writer() != f.writer {
 				return
 			}

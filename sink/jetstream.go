@@ -25,12 +25,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/jetbox-dev/jetbox/internal/fault"
 	"regexp"
 	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/jetbox-dev/jetbox/internal/fault"
+	"github.com/jetbox-dev/jetbox/sink/format"
 
 	"github.com/jackc/pglogrepl"
 	"github.com/jetbox-dev/jetbox/decoder"
@@ -238,7 +240,7 @@ type Session struct {
 	// repeated id, refused before publishing (JetStream's order guard
 	// cannot see it: the expected last id would match).
 	prevID  string
-	prevPos Position
+	prevPos format.Position
 
 	tx txText // the current transaction's header values, formatted once
 	// hdr and vals: the headers of a publish without retries, reused by
@@ -271,7 +273,7 @@ type pendingAck struct {
 	committed time.Time
 	id        string
 	subject   string
-	pos       Position
+	pos       format.Position
 	size      int
 	span      otelSpan // tracing (sink/trace.go); nil when off
 }
@@ -469,22 +471,22 @@ func (p *Publisher) fillHeader(h nats.Header, vals []string, ev *decoder.Event, 
 	// One transaction's events share both (a repair's rows share a commit
 	// LSN, each with its own time).
 	if ev.CommitLSN != tx.lsn || tx.lsnText == "" || !ev.CommitTime.Equal(tx.time) {
-		tx.lsn, tx.time, tx.lsnText, tx.ctime = ev.CommitLSN, ev.CommitTime, ev.CommitLSN.String(), ev.CommitTime.UTC().Format(CommitTimeLayout)
+		tx.lsn, tx.time, tx.lsnText, tx.ctime = ev.CommitLSN, ev.CommitTime, ev.CommitLSN.String(), ev.CommitTime.UTC().Format(format.CommitTimeLayout)
 	}
-	vals = setHeader(h, vals, HeaderAggregateType, ev.AggregateType)
-	vals = setHeader(h, vals, HeaderAggregateID, ev.AggregateID)
-	vals = setHeader(h, vals, HeaderEventType, ev.EventType)
-	vals = setHeader(h, vals, HeaderCommitLSN, tx.lsnText)
-	vals = setHeader(h, vals, HeaderCommitTime, tx.ctime)
-	vals = setHeader(h, vals, HeaderTxIndex, strconv.Itoa(ev.TxIndex))
+	vals = setHeader(h, vals, format.HeaderAggregateType, ev.AggregateType)
+	vals = setHeader(h, vals, format.HeaderAggregateID, ev.AggregateID)
+	vals = setHeader(h, vals, format.HeaderEventType, ev.EventType)
+	vals = setHeader(h, vals, format.HeaderCommitLSN, tx.lsnText)
+	vals = setHeader(h, vals, format.HeaderCommitTime, tx.ctime)
+	vals = setHeader(h, vals, format.HeaderTxIndex, strconv.Itoa(ev.TxIndex))
 	if ev.Source != "" {
-		vals = setHeader(h, vals, HeaderSource, ev.Source)
+		vals = setHeader(h, vals, format.HeaderSource, ev.Source)
 	}
 	if p.cfg.IndexScheme != "" {
-		vals = setHeader(h, vals, HeaderIndexScheme, p.cfg.IndexScheme)
+		vals = setHeader(h, vals, format.HeaderIndexScheme, p.cfg.IndexScheme)
 	}
 	if p.cfg.Routing != "" {
-		vals = setHeader(h, vals, HeaderRouting, p.cfg.Routing)
+		vals = setHeader(h, vals, format.HeaderRouting, p.cfg.Routing)
 	}
 	return setHeader(h, vals, jetstream.MsgIDHeader, ev.ID)
 }
@@ -698,7 +700,7 @@ func (s *Session) checkDuplicate(pa pendingAck, seq uint64) (same bool, err erro
 	if err != nil {
 		return false, fmt.Errorf("read message seq %d to check a Duplicate PubAck for id %s: %w", seq, pa.id, err)
 	}
-	op, ok := ParsePosition(orig.Header)
+	op, ok := format.ParsePosition(orig.Header)
 	if ok && op == pa.pos {
 		return true, nil // the same row, stored before
 	}

@@ -6,7 +6,8 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/jetbox-dev/jetbox/decoder"
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/nats-io/nats.go/jetstream"
 )
 
@@ -64,11 +65,11 @@ func (p *Publisher) StoredIDs(ctx context.Context, since time.Time) (map[string]
 		}
 		h := m.Headers()
 		var committed int64
-		if t, err := time.Parse(time.RFC3339Nano, h.Get(HeaderCommitTime)); err == nil && t.Year() > 1 {
+		if t, err := time.Parse(time.RFC3339Nano, h.Get(format.HeaderCommitTime)); err == nil && t.Year() > 1 {
 			committed = t.UnixMicro()
 		}
 		ids[h.Get(jetstream.MsgIDHeader)] = committed
-		if row := h.Get(decoder.HeaderRowID); row != "" {
+		if row := h.Get(format.HeaderRowID); row != "" {
 			ids[row] = committed
 		}
 		md, err := m.Metadata()

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/jackc/pglogrepl"
 	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/nats-io/nats.go"
@@ -59,14 +61,14 @@ const duplicateHint = "give every outbox row a unique id (the default gen_random
 
 // duplicateID is the invalid-row error of the row id at pos, whose id another
 // message uses; reason says which and what JetStream would do.
-func duplicateID(id string, pos Position, reason string) *decoder.InvalidEventError {
+func duplicateID(id string, pos format.Position, reason string) *decoder.InvalidEventError {
 	return &decoder.InvalidEventError{ID: id, LSN: pglogrepl.LSN(pos.CommitLSN), TxIndex: pos.TxIndex,
-		Code: decoder.ReasonDuplicateID, Column: "id", Reason: reason, Hint: duplicateHint}
+		Code: format.ReasonDuplicateID, Column: "id", Reason: reason, Hint: duplicateHint}
 }
 
 // tooLarge is the invalid-row error of a message the server or stream refuses for its size.
-func tooLarge(id string, pos Position, what string) *decoder.InvalidEventError {
-	return &decoder.InvalidEventError{ID: id, LSN: pglogrepl.LSN(pos.CommitLSN), TxIndex: pos.TxIndex, Code: decoder.ReasonTooLarge, Column: "payload", Reason: what,
+func tooLarge(id string, pos format.Position, what string) *decoder.InvalidEventError {
+	return &decoder.InvalidEventError{ID: id, LSN: pglogrepl.LSN(pos.CommitLSN), TxIndex: pos.TxIndex, Code: format.ReasonTooLarge, Column: "payload", Reason: what,
 		Hint: "raise max_payload on the NATS server (and the stream's max_msg_size), or keep outbox payloads smaller (e.g. a CHECK on octet_length(payload)); or run with --on-invalid=dead-letter"}
 }
 
@@ -78,9 +80,9 @@ var ErrForeignMessage = errors.New("the stream holds a message jetbox did not wr
 // resume found them when the session opened.
 type cursor struct {
 	stream jetstream.Stream
-	seq    uint64   // the stream's last sequence; 0: the stream is empty
-	id     string   // the last message's Nats-Msg-Id ("" if it was not read)
-	pos    Position // its position (zero if it has none or was not read)
+	seq    uint64          // the stream's last sequence; 0: the stream is empty
+	id     string          // the last message's Nats-Msg-Id ("" if it was not read)
+	pos    format.Position // its position (zero if it has none or was not read)
 	// skip (exactly-once): the last message is this source's, so an event
 	// at or before pos is a replay the stream holds, skipped by position.
 	skip bool
@@ -93,14 +95,14 @@ type cursor struct {
 	chain bool
 	// abandoned: after an accepted lost history (ForgetHistory), what the
 	// stream holds of it at the positions the slot replays: position → id.
-	abandoned map[Position]string
+	abandoned map[format.Position]string
 }
 
 // replay reports whether the event at pos with id is one the stream
 // already holds: at or before its last message (exactly-once mode), or the
 // same id at the same position of an abandoned history (the part the
 // server still shares with it).
-func (c cursor) replay(pos Position, id string) bool {
+func (c cursor) replay(pos format.Position, id string) bool {
 	if c.abandoned != nil && id != "" && c.abandoned[pos] == id {
 		return true
 	}
@@ -110,7 +112,7 @@ func (c cursor) replay(pos Position, id string) bool {
 // skipReplay skips the event at pos with id if it is a replay (see
 // cursor.replay): it counts as a duplicate and its done is called with nil
 // at once.
-func (p *Publisher) skipReplay(c cursor, pos Position, id string, done func(error)) bool {
+func (p *Publisher) skipReplay(c cursor, pos format.Position, id string, done func(error)) bool {
 	if !c.replay(pos, id) {
 		return false
 	}
@@ -129,7 +131,7 @@ func (p *Publisher) skipReplay(c cursor, pos Position, id string, done func(erro
 // prove the row is there (a gap a run without the order guard left, a
 // watermark of an abandoned history): such a row stops jetbox.
 func (s *Session) SkipHeld(lsn pglogrepl.LSN, txIndex int) bool {
-	if !s.cur.replay(Position{CommitLSN: uint64(lsn), TxIndex: txIndex}, "") {
+	if !s.cur.replay(format.Position{CommitLSN: uint64(lsn), TxIndex: txIndex}, "") {
 		return false
 	}
 	s.p.record(outDuplicate, 1)
@@ -139,7 +141,7 @@ func (s *Session) SkipHeld(lsn pglogrepl.LSN, txIndex int) bool {
 // SkipHeld is Session.SkipHeld for an atomic session: a replay of what
 // the stream held at open.
 func (s *AtomicSession) SkipHeld(lsn pglogrepl.LSN, txIndex int) bool {
-	if !s.cur.replay(Position{CommitLSN: uint64(lsn), TxIndex: txIndex}, "") {
+	if !s.cur.replay(format.Position{CommitLSN: uint64(lsn), TxIndex: txIndex}, "") {
 		return false
 	}
 	s.p.record(outDuplicate, 1)
@@ -147,13 +149,13 @@ func (s *AtomicSession) SkipHeld(lsn pglogrepl.LSN, txIndex int) bool {
 }
 
 // eventPos is ev's position: where its message goes in the stream.
-func eventPos(ev *decoder.Event) Position {
-	return Position{CommitLSN: uint64(ev.CommitLSN), TxIndex: ev.TxIndex}
+func eventPos(ev *decoder.Event) format.Position {
+	return format.Position{CommitLSN: uint64(ev.CommitLSN), TxIndex: ev.TxIndex}
 }
 
 // covers reports whether a Duplicate PubAck for the event at pos is a replay
 // without looking at the original.
-func (c cursor) covers(pos Position) bool { return c.watermark && !c.pos.Less(pos) }
+func (c cursor) covers(pos format.Position) bool { return c.watermark && !c.pos.Less(pos) }
 
 // resume checks the stream still exists and captures jetbox's subjects (so
 // a stream deleted or changed while jetbox runs stops it with a clear error
@@ -201,11 +203,11 @@ func (p *Publisher) resume(ctx context.Context, source string, repair bool) (cur
 		}
 		return cursor{}, fmt.Errorf("exactly-once: read the stream's last message (seq %d): %w", c.seq, err)
 	}
-	pos, ok := ParsePosition(m.Header)
+	pos, ok := format.ParsePosition(m.Header)
 	// The same system, database and slot: replication checked that the
 	// server's timeline continues the stream's (see sameWriter), unless an
 	// operator accepted a lost history.
-	sameSource := decoder.SameWriter(m.Header.Get(HeaderSource), source) && c.seq > p.forgetThrough.Load()
+	sameSource := format.SameWriter(m.Header.Get(format.HeaderSource), source) && c.seq > p.forgetThrough.Load()
 	c.id, c.pos = m.Header.Get(jetstream.MsgIDHeader), pos
 	if !p.cfg.ExactlyOnce {
 		// Without the order guard, rows after a refused one may be stored
@@ -222,7 +224,7 @@ func (p *Publisher) resume(ctx context.Context, source string, repair bool) (cur
 		// the stream yet, so nothing is skipped by position (after a rewind
 		// or a lost tail the stream's positions may even sort after it).
 		c.chain = true
-		p.log.Info().Uint64("seq", c.seq).Str("last_source", m.Header.Get(HeaderSource)).Msg("exactly-once repair: publishing the rows the stream misses, skipping nothing by position")
+		p.log.Info().Uint64("seq", c.seq).Str("last_source", m.Header.Get(format.HeaderSource)).Msg("exactly-once repair: publishing the rows the stream misses, skipping nothing by position")
 		return c, nil
 	}
 	if c.seq <= p.forgetThrough.Load() {
@@ -231,7 +233,7 @@ func (p *Publisher) resume(ctx context.Context, source string, repair bool) (cur
 		return c, nil
 	}
 	if !sameSource {
-		return cursor{}, &PermanentError{Err: fmt.Errorf("exactly-once: the stream's last message (seq %d) comes from %q, this jetbox reads %q", c.seq, m.Header.Get(HeaderSource), source),
+		return cursor{}, &PermanentError{Err: fmt.Errorf("exactly-once: the stream's last message (seq %d) comes from %q, this jetbox reads %q", c.seq, m.Header.Get(format.HeaderSource), source),
 			Hint: "positions from another database, slot or cluster are not comparable: give each jetbox its own stream, or use --delivery=dedup"}
 	}
 	if err := p.checkSinceLastAck(ctx, st, source, c.seq); err != nil {
@@ -276,7 +278,7 @@ func (p *Publisher) checkSinceLastAck(ctx context.Context, st jetstream.Stream, 
 			Msg("exactly-once: more messages after this process's last acked one than it had in flight: another instance streamed from the slot meanwhile; checking the window after it")
 	}
 	check := func(seq uint64, subject string, h nats.Header) error {
-		if _, ok := ParsePosition(h); !ok || !decoder.SameWriter(h.Get(HeaderSource), source) {
+		if _, ok := format.ParsePosition(h); !ok || !format.SameWriter(h.Get(format.HeaderSource), source) {
 			return &PermanentError{Err: fmt.Errorf("exactly-once: %w (seq %d, subject %s, after jetbox's seq %d)", ErrForeignMessage, seq, subject, acked),
 				Hint: "exactly-once mode needs jetbox to be the stream's only writer: stop the other publisher (or use --delivery=dedup), then restart jetbox"}
 		}

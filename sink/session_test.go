@@ -5,10 +5,13 @@ import (
 	"fmt"
 	"strings"
 
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"context"
-	"github.com/jetbox-dev/jetbox/decoder"
 	"testing"
 	"time"
+
+	"github.com/jetbox-dev/jetbox/decoder"
 
 	"github.com/jetbox-dev/jetbox/internal/testenv"
 	"github.com/jetbox-dev/jetbox/sink"
@@ -218,9 +221,9 @@ func TestExactlyOnceClusterResume(t *testing.T) {
 		late := events("e-", 5, 6)[0]
 		h := nats.Header{}
 		h.Set(jetstream.MsgIDHeader, late.ID)
-		h.Set(sink.HeaderCommitLSN, late.CommitLSN.String())
-		h.Set(sink.HeaderTxIndex, "5")
-		h.Set(sink.HeaderSource, "test")
+		h.Set(format.HeaderCommitLSN, late.CommitLSN.String())
+		h.Set(format.HeaderTxIndex, "5")
+		h.Set(format.HeaderSource, "test")
 		if _, err := js.PublishMsg(ctx, &nats.Msg{Subject: late.Subject, Data: late.Payload, Header: h}); err != nil {
 			t.Fatal(err)
 		}
@@ -391,9 +394,9 @@ func TestExactlyOnceAfterAnotherInstance(t *testing.T) {
 		for i := 10; i < 110; i++ { // jetbox's, from this source, after it
 			m := nats.NewMsg("outbox.order.E")
 			m.Header.Set(jetstream.MsgIDHeader, fmt.Sprint("e-", i))
-			m.Header.Set(sink.HeaderCommitLSN, "0/16B3748")
-			m.Header.Set(sink.HeaderTxIndex, fmt.Sprint(i))
-			m.Header.Set(sink.HeaderSource, "test")
+			m.Header.Set(format.HeaderCommitLSN, "0/16B3748")
+			m.Header.Set(format.HeaderTxIndex, fmt.Sprint(i))
+			m.Header.Set(format.HeaderSource, "test")
 			if _, err := js.PublishMsg(ctx, m); err != nil {
 				t.Fatal(err)
 			}

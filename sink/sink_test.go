@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/jackc/pglogrepl"
 	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/jetbox-dev/jetbox/internal/testenv"
@@ -120,8 +122,8 @@ func TestDedupAndHeaders(t *testing.T) {
 		t.Fatalf("%d messages stored", len(msgs))
 	}
 	h := msgs[0].Header
-	if h["traceparent"][0] != "00-x" || h.Get(sink.HeaderCommitLSN) != "0/16B3748" ||
-		h.Get(sink.HeaderCommitTime) != "1970-01-01T00:00:01.000000005Z" || h.Get(sink.HeaderTxIndex) != "0" {
+	if h["traceparent"][0] != "00-x" || h.Get(format.HeaderCommitLSN) != "0/16B3748" ||
+		h.Get(format.HeaderCommitTime) != "1970-01-01T00:00:01.000000005Z" || h.Get(format.HeaderTxIndex) != "0" {
 		t.Fatalf("headers %v", h)
 	}
 }
@@ -165,7 +167,7 @@ func TestTooLargeIsPermanent(t *testing.T) {
 	}
 	err = sess.Publish(ev, func(error) { t.Error("done called for an unsent message") })
 	var ie *decoder.InvalidEventError
-	if !errors.As(err, &ie) || ie.Code != decoder.ReasonTooLarge || ie.ID != "big" || !strings.Contains(err.Error(), "max_payload") {
+	if !errors.As(err, &ie) || ie.Code != format.ReasonTooLarge || ie.ID != "big" || !strings.Contains(err.Error(), "max_payload") {
 		t.Fatalf("got %v", err)
 	}
 
@@ -179,7 +181,7 @@ func TestTooLargeIsPermanent(t *testing.T) {
 	ev = event("mid", "order", "E")
 	ev.Subject, ev.Payload = "small.order.E", make([]byte, 2000)
 	errs := publishAll(t, newPublisher(t, n, cfg), ev)
-	if !errors.As(errs[0], &ie) || ie.Code != decoder.ReasonTooLarge || !strings.Contains(errs[0].Error(), "max_msg_size") {
+	if !errors.As(errs[0], &ie) || ie.Code != format.ReasonTooLarge || !strings.Contains(errs[0].Error(), "max_msg_size") {
 		t.Fatalf("got %v", errs[0])
 	}
 }
@@ -299,7 +301,7 @@ func TestRepeatedIDDetected(t *testing.T) {
 		p := streamPublisher(t, n, cfg)
 		isDup := func(err error) bool {
 			var ie *decoder.InvalidEventError
-			return errors.As(err, &ie) && ie.Code == decoder.ReasonDuplicateID && strings.Contains(err.Error(), "duplicate window")
+			return errors.As(err, &ie) && ie.Code == format.ReasonDuplicateID && strings.Contains(err.Error(), "duplicate window")
 		}
 		errs := publishAll(t, p, at(event("id-1", "order", "E"), 0), at(event("id-2", "order", "E"), 1), at(event("id-1", "order", "E"), 2))
 		if errs[0] != nil || errs[1] != nil || !isDup(errs[2]) {
@@ -460,7 +462,7 @@ func TestAcceptedLostHistoryNotStoredTwice(t *testing.T) {
 				t.Fatal(err)
 			}
 			// The server branched after a: it replays a, then its own history.
-			p.ForgetHistory(3, "42/1/app/jetbox", sink.Position{CommitLSN: 0x100})
+			p.ForgetHistory(3, "42/1/app/jetbox", format.Position{CommitLSN: 0x100})
 			time.Sleep(3 * cfg.DuplicateWindow) // the hazard: JetStream's dedup no longer helps
 			s = open()
 			errs := make([]error, 3)

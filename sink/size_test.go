@@ -5,6 +5,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/jackc/pglogrepl"
 	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/jetbox-dev/jetbox/internal/metrics"
@@ -41,26 +43,26 @@ func TestMessageSize(t *testing.T) {
 // gap before the tip).
 func TestSkipHeldTrustsOnlyExactlyOnceResume(t *testing.T) {
 	const src = "7300000000000000001/1/app/jetbox"
-	tip := Position{CommitLSN: 0x5000, TxIndex: 3}
+	tip := format.Position{CommitLSN: 0x5000, TxIndex: 3}
 	for _, c := range []struct {
 		name   string
 		exact  bool
 		forget bool
-		at     Position
+		at     format.Position
 		want   bool
 	}{
-		{"exactly-once, before the tip", true, false, Position{CommitLSN: 0x3000}, true},
+		{"exactly-once, before the tip", true, false, format.Position{CommitLSN: 0x3000}, true},
 		{"exactly-once, at the tip", true, false, tip, true},
-		{"exactly-once, past the tip", true, false, Position{CommitLSN: 0x5000, TxIndex: 4}, false},
-		{"exactly-once, after an accepted lost history", true, true, Position{CommitLSN: 0x3000}, false},
-		{"dedup, before the tip", false, false, Position{CommitLSN: 0x3000}, false},
+		{"exactly-once, past the tip", true, false, format.Position{CommitLSN: 0x5000, TxIndex: 4}, false},
+		{"exactly-once, after an accepted lost history", true, true, format.Position{CommitLSN: 0x3000}, false},
+		{"dedup, before the tip", false, false, format.Position{CommitLSN: 0x3000}, false},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			p := &Publisher{cfg: Config{ExactlyOnce: c.exact, OrderGuard: true, Metrics: metrics.New()}}
 			p.replays = replays{source: src, hasWM: true, wm: watermark{Seq: 90, CommitLSN: tip.CommitLSN, TxIndex: tip.TxIndex}}
 			cur := cursor{seq: 90, pos: tip, watermark: true, skip: c.exact, chain: c.exact}
 			if c.forget {
-				p.ForgetHistory(90, src, Position{CommitLSN: 0x1000})
+				p.ForgetHistory(90, src, format.Position{CommitLSN: 0x1000})
 				cur = cursor{seq: 90} // what resume gives after it
 			}
 			s := &Session{p: p, source: src, cur: cur}

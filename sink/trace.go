@@ -12,6 +12,8 @@ import (
 	"errors"
 	"strings"
 
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/nats-io/nats.go"
 	"go.opentelemetry.io/otel/attribute"
@@ -102,7 +104,7 @@ func (p *Publisher) startSpan(ev *decoder.Event, h nats.Header) trace.Span {
 		ctx = t.prop.Extract(ctx, rowCarrier(ev.Headers))
 	}
 	lsn := ""
-	if v := h[HeaderCommitLSN]; len(v) == 1 {
+	if v := h[format.HeaderCommitLSN]; len(v) == 1 {
 		lsn = v[0] // formatted once per transaction (txText)
 	}
 	attrs := make([]attribute.KeyValue, 0, len(t.attrs)+7)

@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/jetbox-dev/jetbox/internal/testenv"
 	"github.com/nats-io/nats.go"
 	"github.com/rs/zerolog"
@@ -263,12 +265,12 @@ func TestIndexSchemeHeader(t *testing.T) {
 		p := &Publisher{cfg: Config{Stream: "OUTBOX", IndexScheme: scheme}}
 		var tx txText
 		h := p.header(traceEvent(), &tx, 2)
-		got, ok := h[HeaderIndexScheme]
+		got, ok := h[format.HeaderIndexScheme]
 		switch {
 		case scheme == "" && ok:
-			t.Errorf("table-only source: header %s = %q, want none", HeaderIndexScheme, got)
+			t.Errorf("table-only source: header %s = %q, want none", format.HeaderIndexScheme, got)
 		case scheme != "" && (len(got) != 1 || got[0] != scheme):
-			t.Errorf("header %s = %q, want %q", HeaderIndexScheme, got, scheme)
+			t.Errorf("header %s = %q, want %q", format.HeaderIndexScheme, got, scheme)
 		}
 	}
 }
@@ -283,14 +285,14 @@ func TestRoutingHeader(t *testing.T) {
 		ev := traceEvent()
 		ev.Source, ev.AggregateType, ev.AggregateID, ev.EventType = "42/1/app/jetbox", "order", "o-1", "OrderCreated"
 		h := p.header(ev, &tx, 2)
-		got, ok := h[HeaderRouting]
+		got, ok := h[format.HeaderRouting]
 		switch {
 		case routing == "" && ok:
-			t.Errorf("default routing: header %s = %q, want none", HeaderRouting, got)
+			t.Errorf("default routing: header %s = %q, want none", format.HeaderRouting, got)
 		case routing != "" && (len(got) != 1 || got[0] != routing):
-			t.Errorf("header %s = %q, want %q", HeaderRouting, got, routing)
+			t.Errorf("header %s = %q, want %q", format.HeaderRouting, got, routing)
 		}
-		h[HeaderTxLast] = []string{"true"}
+		h[format.HeaderTxLast] = []string{"true"}
 		tip, ok := tipOf(7, ev.Subject, time.Now(), h, mustWriter(t, ev.Source))
 		if !ok || tip.Routing != routing || !tip.TxLast || tip.AggregateType != ev.AggregateType || tip.AggregateID != ev.AggregateID || tip.EventType != ev.EventType {
 			t.Errorf("tip %+v (ok %v), want routing %q, Tx-Last and the event's fields", tip, ok, routing)
@@ -300,7 +302,7 @@ func TestRoutingHeader(t *testing.T) {
 
 func mustWriter(t *testing.T, source string) string {
 	t.Helper()
-	o, ok := decoder.ParseOrigin(source)
+	o, ok := format.ParseOrigin(source)
 	if !ok {
 		t.Fatalf("source %q", source)
 	}

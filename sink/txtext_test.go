@@ -5,6 +5,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/jetbox-dev/jetbox/decoder"
 )
 
@@ -16,7 +18,7 @@ func TestCommitTimePerEvent(t *testing.T) {
 	t0 := time.Date(2026, 12, 1, 10, 0, 0, 0, time.UTC)
 	for i, at := range []time.Time{t0, t0, t0.Add(time.Second)} {
 		h := p.header(&decoder.Event{ID: fmt.Sprint(i), CommitLSN: 0x100, CommitTime: at, TxIndex: i}, &tx, 0)
-		if got, want := h.Get(HeaderCommitTime), at.Format(CommitTimeLayout); got != want {
+		if got, want := h.Get(format.HeaderCommitTime), at.Format(format.CommitTimeLayout); got != want {
 			t.Fatalf("event %d: Jetbox-Commit-Time %s, want %s", i, got, want)
 		}
 	}

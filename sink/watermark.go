@@ -7,7 +7,8 @@ import (
 	"errors"
 	"fmt"
 
-	"github.com/jetbox-dev/jetbox/decoder"
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -27,16 +28,18 @@ type watermark struct {
 	TxIndex   int    `json:"tx_index"`
 }
 
-func (w watermark) pos() Position { return Position{CommitLSN: w.CommitLSN, TxIndex: w.TxIndex} }
+func (w watermark) pos() format.Position {
+	return format.Position{CommitLSN: w.CommitLSN, TxIndex: w.TxIndex}
+}
 
 // replays is the publisher's memory of what it resolved, across sessions.
 type replays struct {
 	source   string // the source wm is for
 	wm       watermark
 	hasWM    bool
-	firstSeq uint64              // the stream's last sequence when this process first opened
-	claims   map[uint64]Position // stream sequence → the event stored there, after wm.Seq
-	kv       jetstream.KeyValue  // nil: not persisted
+	firstSeq uint64                     // the stream's last sequence when this process first opened
+	claims   map[uint64]format.Position // stream sequence → the event stored there, after wm.Seq
+	kv       jetstream.KeyValue         // nil: not persisted
 	key      string
 	replicas int // of the stream: the bucket's, if created again
 }
@@ -45,7 +48,7 @@ type replays struct {
 // writer (Origin.Writer, unescaped), so a failover keeps it.
 func watermarkKey(stream, source string) string {
 	writer := source
-	if o, ok := decoder.ParseOrigin(source); ok {
+	if o, ok := format.ParseOrigin(source); ok {
 		writer = o.Writer()
 	}
 	return base64.RawURLEncoding.EncodeToString([]byte(stream + "\x00" + writer))
@@ -60,7 +63,7 @@ func (s *Session) loadWatermark(ctx context.Context, replicas int) {
 	defer p.rmu.Unlock()
 	r := &p.replays
 	if r.claims == nil {
-		r.claims = map[uint64]Position{}
+		r.claims = map[uint64]format.Position{}
 		r.firstSeq = s.nextSeq
 	}
 	if r.source != s.source {
@@ -118,7 +121,7 @@ func (p *Publisher) persistWM() bool { return !p.cfg.ExactlyOnce && p.cfg.OrderG
 
 // advance moves the watermark to pos/seq (the end of an in-order prefix of
 // resolved events) and, in dedup mode, stores it before their done calls.
-func (s *Session) advance(pos Position, seq uint64) error {
+func (s *Session) advance(pos format.Position, seq uint64) error {
 	p := s.p
 	if !p.guarded() {
 		return nil
@@ -183,7 +186,7 @@ func (p *Publisher) restoreWatermark(ctx context.Context, r *replays, b []byte) 
 
 // claim records that the message at seq is the event at pos; it reports
 // false if another event already claimed it.
-func (p *Publisher) claim(seq uint64, pos Position) bool {
+func (p *Publisher) claim(seq uint64, pos format.Position) bool {
 	p.rmu.Lock()
 	defer p.rmu.Unlock()
 	r := &p.replays
@@ -194,7 +197,7 @@ func (p *Publisher) claim(seq uint64, pos Position) bool {
 		return c == pos
 	}
 	if r.claims == nil {
-		r.claims = map[uint64]Position{}
+		r.claims = map[uint64]format.Position{}
 	}
 	r.claims[seq] = pos
 	return true
@@ -207,7 +210,7 @@ func (p *Publisher) claim(seq uint64, pos Position) bool {
 // claims it. An original at or before the watermark for an event after it
 // is another row's; without a watermark an older original cannot be told
 // apart.
-func (s *Session) provenReplay(pos Position, seq uint64) bool {
+func (s *Session) provenReplay(pos format.Position, seq uint64) bool {
 	p := s.p
 	if !p.guarded() {
 		return false // without the order guard, positions prove nothing

@@ -5,8 +5,9 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/jackc/pgx/v5"
-	"github.com/jetbox-dev/jetbox/sink"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -146,7 +147,7 @@ type streamCheck struct {
 	want    map[string]bool // committed id → seen in the stream
 	ordered bool            // check jetbox's positions too
 	seen    int
-	last    sink.Position
+	last    format.Position
 }
 
 // add checks the headers of the message at stream sequence seq.
@@ -164,10 +165,10 @@ func (c *streamCheck) add(h nats.Header, seq uint64) error {
 	if !c.ordered {
 		return nil
 	}
-	pos, ok := sink.ParsePosition(h)
+	pos, ok := format.ParsePosition(h)
 	if !ok {
 		return fmt.Errorf("stream %s seq %d: no position (%s %q, %s %q)", c.stream, seq,
-			sink.HeaderCommitLSN, h.Get(sink.HeaderCommitLSN), sink.HeaderTxIndex, h.Get(sink.HeaderTxIndex))
+			format.HeaderCommitLSN, h.Get(format.HeaderCommitLSN), format.HeaderTxIndex, h.Get(format.HeaderTxIndex))
 	}
 	if !c.last.Less(pos) {
 		return fmt.Errorf("stream %s seq %d: position %v is not after the previous %v (commit order broken)", c.stream, seq, pos, c.last)

@@ -9,7 +9,8 @@ import (
 	"strings"
 	"time"
 
-	"github.com/jetbox-dev/jetbox/sink"
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/synadia-io/orbit.go/jetstreamext"
@@ -34,13 +35,13 @@ func rawMsg(stream, prefix string, i int, payload []byte, set headerSet) *nats.M
 		return m
 	}
 	h := m.Header
-	h[sink.HeaderAggregateType] = []string{"order"}
-	h[sink.HeaderAggregateID] = []string{strconv.Itoa(i)}
-	h[sink.HeaderEventType] = []string{"OrderPlaced"}
-	h[sink.HeaderCommitLSN] = []string{"0/" + strconv.FormatUint(uint64(0x1000000+i/100*0x8000), 16)}
-	h[sink.HeaderCommitTime] = []string{time.Now().UTC().Format("2006-01-02T15:04:05.000000000Z")}
-	h[sink.HeaderTxIndex] = []string{strconv.Itoa(i % 100)}
-	h[sink.HeaderSource] = []string{"7441234567890123456/1/bench/jetbox"}
+	h[format.HeaderAggregateType] = []string{"order"}
+	h[format.HeaderAggregateID] = []string{strconv.Itoa(i)}
+	h[format.HeaderEventType] = []string{"OrderPlaced"}
+	h[format.HeaderCommitLSN] = []string{"0/" + strconv.FormatUint(uint64(0x1000000+i/100*0x8000), 16)}
+	h[format.HeaderCommitTime] = []string{time.Now().UTC().Format("2006-01-02T15:04:05.000000000Z")}
+	h[format.HeaderTxIndex] = []string{strconv.Itoa(i % 100)}
+	h[format.HeaderSource] = []string{"7441234567890123456/1/bench/jetbox"}
 	if set == guardedStream {
 		h[jetstream.ExpectedStreamHeader] = []string{stream}
 	}

@@ -15,7 +15,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jetbox-dev/jetbox/decoder"
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/jetbox-dev/jetbox/internal/testenv"
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
@@ -296,7 +297,7 @@ func TestAlertRulesOnScrapedSeries(t *testing.T) {
 		must(t, err)
 		// jetbox stops on the row and waits for a scrape: the scrape that
 		// has the count is the one Prometheus would record at minute 21.
-		key := fmt.Sprintf(`{__name__="jetbox_invalid_rows_total", action="stop", reason=%q}`, decoder.ReasonNullPayload)
+		key := fmt.Sprintf(`{__name__="jetbox_invalid_rows_total", action="stop", reason=%q}`, format.ReasonNullPayload)
 		tl.tick()
 		testenv.WaitFor(t, 30*time.Second, func() error {
 			vals, lbls, err := scrapeMetrics(t, addr)
@@ -342,7 +343,7 @@ func checkStartupSeries(t *testing.T, vals map[string]float64, scenarios bool) {
 	for _, st := range allStatesForTest {
 		want = append(want, fmt.Sprintf(`{__name__="jetbox_state", state=%q}`, st))
 	}
-	for _, r := range decoder.Reasons() {
+	for _, r := range format.Reasons() {
 		want = append(want, fmt.Sprintf(`{__name__="jetbox_invalid_rows_total", action="stop", reason=%q}`, r))
 	}
 	var missing []string

@@ -16,6 +16,7 @@ import (
 	"github.com/jetbox-dev/jetbox/internal/metrics"
 	"github.com/jetbox-dev/jetbox/replication"
 	"github.com/jetbox-dev/jetbox/sink"
+	"github.com/jetbox-dev/jetbox/sink/format"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/rs/zerolog"
@@ -423,13 +424,13 @@ func (f *RunFlags) Config() (Config, error) {
 	case "dead-letter":
 		deadLetter = f.DeadLetterSubj
 		if deadLetter == "" {
-			deadLetter = f.SubjectPrefix + "._dlq"
+			deadLetter = format.DefaultDeadLetterSubject(f.SubjectPrefix)
 		}
 		if err := decoder.ValidPrefix(deadLetter); err != nil {
 			bad("dead-letter-subject", deadLetter, err.Error(), "use dot-separated tokens without spaces or wildcards, e.g. outbox._dlq")
 		} else if rest, under := strings.CutPrefix(deadLetter, f.SubjectPrefix+"."); under && !strings.HasPrefix(rest, "_") {
 			bad("dead-letter-subject", deadLetter, "inside the event subjects: it would collide with aggregate type "+strings.Split(rest, ".")[0],
-				"start the token after the prefix with '_' (e.g. "+f.SubjectPrefix+"._dlq) or use a subject outside "+f.SubjectPrefix+".>")
+				"start the token after the prefix with '_' (e.g. "+format.DefaultDeadLetterSubject(f.SubjectPrefix)+") or use a subject outside "+f.SubjectPrefix+".>")
 		}
 	default:
 		bad("on-invalid", f.OnInvalid, "unknown policy", "use stop or dead-letter (see docs/guarantees.md)")

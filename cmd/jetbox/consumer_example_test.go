@@ -11,12 +11,11 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"strconv"
-	"strings"
 	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jetbox-dev/jetbox/sink/format"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -66,27 +65,16 @@ func billingConsumer() jetstream.ConsumerConfig {
 // guide:end
 
 // guide:begin position
-// position is where a message's row sits in the WAL: its transaction's commit
-// LSN, then its index among the transaction's outbox rows.
-type position struct{ lsn, index uint64 }
-
-func parsePosition(h nats.Header) (position, error) {
-	hi, lo, ok := strings.Cut(h.Get("Jetbox-Commit-LSN"), "/")
+// parsePosition reads where a message's row sits in the WAL: its
+// transaction's commit LSN, then its index among the transaction's outbox
+// rows (format is github.com/jetbox-dev/jetbox/sink/format: the standard
+// library only).
+func parsePosition(h nats.Header) (format.Position, error) {
+	pos, ok := format.ParsePosition(h)
 	if !ok {
-		return position{}, errors.New("no Jetbox-Commit-LSN header: not a jetbox message")
+		return format.Position{}, errors.New("no valid " + format.HeaderCommitLSN + " and " + format.HeaderTxIndex + " headers: not a jetbox message")
 	}
-	h32, err1 := strconv.ParseUint(hi, 16, 32)
-	l32, err2 := strconv.ParseUint(lo, 16, 32)
-	idx, err3 := strconv.ParseUint(h.Get("Jetbox-Tx-Index"), 10, 32)
-	if err := errors.Join(err1, err2, err3); err != nil {
-		return position{}, fmt.Errorf("bad position headers: %w", err)
-	}
-	return position{lsn: h32<<32 | l32, index: idx}, nil
-}
-
-// after reports whether p comes after q.
-func (p position) after(q position) bool {
-	return p.lsn > q.lsn || p.lsn == q.lsn && p.index > q.index
+	return pos, nil
 }
 
 // guide:end
@@ -181,7 +169,7 @@ func (b *billing) process(ctx context.Context, msg jetstream.Msg) (string, error
 	// order, so one at or before the last applied position is done already:
 	// a copy stored again beyond the duplicate window, after its inbox row
 	// was pruned. Positions compare only within one WAL history (source).
-	source := msg.Headers().Get("Jetbox-Source")
+	source := msg.Headers().Get(format.HeaderSource)
 	var lastSource string
 	var lsn, index int64
 	err = tx.QueryRow(ctx, `SELECT source, commit_lsn, tx_index FROM consumer_position
@@ -189,7 +177,7 @@ func (b *billing) process(ctx context.Context, msg jetstream.Msg) (string, error
 	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
 		return "", err
 	}
-	if source == lastSource && !pos.after(position{lsn: uint64(lsn), index: uint64(index)}) {
+	if source == lastSource && !(format.Position{CommitLSN: uint64(lsn), TxIndex: int(index)}).Less(pos) {
 		return "stale", tx.Commit(ctx)
 	}
 
@@ -200,7 +188,7 @@ func (b *billing) process(ctx context.Context, msg jetstream.Msg) (string, error
 	if _, err := tx.Exec(ctx, `INSERT INTO consumer_position (consumer, source, commit_lsn, tx_index)
 		VALUES ('billing', $1, $2, $3) ON CONFLICT (consumer) DO UPDATE
 		SET source = excluded.source, commit_lsn = excluded.commit_lsn, tx_index = excluded.tx_index`,
-		source, int64(pos.lsn), int64(pos.index)); err != nil {
+		source, int64(pos.CommitLSN), pos.TxIndex); err != nil {
 		return "", err
 	}
 	return "applied", tx.Commit(ctx)

@@ -11,12 +11,13 @@ import (
 	"sync"
 	"time"
 
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/alecthomas/kong"
 	"github.com/jackc/pgx/v5"
 	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/jetbox-dev/jetbox/internal/natsembed"
 	"github.com/jetbox-dev/jetbox/internal/pgcluster"
-	"github.com/jetbox-dev/jetbox/sink"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -265,7 +266,7 @@ func printEvent(w io.Writer, m jetstream.Msg) {
 	h := m.Headers()
 	latency := ""
 	if md, err := m.Metadata(); err == nil {
-		if ct, err := time.Parse(time.RFC3339Nano, h.Get(sink.HeaderCommitTime)); err == nil {
+		if ct, err := time.Parse(time.RFC3339Nano, h.Get(format.HeaderCommitTime)); err == nil {
 			latency = fmt.Sprintf("  commit→stored %s", md.Timestamp.Sub(ct).Round(10*time.Microsecond))
 		}
 		latency = fmt.Sprintf("  seq %d%s", md.Sequence.Stream, latency)

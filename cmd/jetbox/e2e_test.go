@@ -7,9 +7,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/jackc/pglogrepl"
 	"github.com/jetbox-dev/jetbox/internal/testenv"
-	"github.com/jetbox-dev/jetbox/sink"
 )
 
 // TestEndToEndContent checks subject, data and every header of published
@@ -64,24 +65,24 @@ func TestEndToEndContent(t *testing.T) {
 		}
 		h := m.Header
 		for k, want := range map[string]string{
-			"Nats-Msg-Id": ids[i], sink.HeaderAggregateType: agg, sink.HeaderAggregateID: aggID,
-			sink.HeaderEventType: ev, sink.HeaderTxIndex: strconv.Itoa(i),
+			"Nats-Msg-Id": ids[i], format.HeaderAggregateType: agg, format.HeaderAggregateID: aggID,
+			format.HeaderEventType: ev, format.HeaderTxIndex: strconv.Itoa(i),
 		} {
 			if got := h.Get(k); got != want {
 				t.Errorf("msg %d header %s = %q, want %q", i, k, got, want)
 			}
 		}
-		l, err := pglogrepl.ParseLSN(h.Get(sink.HeaderCommitLSN))
+		l, err := pglogrepl.ParseLSN(h.Get(format.HeaderCommitLSN))
 		if err != nil || l == 0 {
-			t.Errorf("msg %d commit LSN %q: %v", i, h.Get(sink.HeaderCommitLSN), err)
+			t.Errorf("msg %d commit LSN %q: %v", i, h.Get(format.HeaderCommitLSN), err)
 		}
 		if i > 0 && l != lsn {
 			t.Errorf("one transaction, two commit LSNs: %s and %s", lsn, l)
 		}
 		lsn = l
-		ct, err := time.Parse(time.RFC3339Nano, h.Get(sink.HeaderCommitTime))
-		if err != nil || !strings.HasSuffix(h.Get(sink.HeaderCommitTime), "Z") || len(h.Get(sink.HeaderCommitTime)) != len(sink.CommitTimeLayout)-5 {
-			t.Errorf("msg %d commit time %q not RFC 3339 UTC with nanoseconds: %v", i, h.Get(sink.HeaderCommitTime), err)
+		ct, err := time.Parse(time.RFC3339Nano, h.Get(format.HeaderCommitTime))
+		if err != nil || !strings.HasSuffix(h.Get(format.HeaderCommitTime), "Z") || len(h.Get(format.HeaderCommitTime)) != len(format.CommitTimeLayout)-5 {
+			t.Errorf("msg %d commit time %q not RFC 3339 UTC with nanoseconds: %v", i, h.Get(format.HeaderCommitTime), err)
 		}
 		if time.Since(ct) > time.Minute || time.Until(ct) > time.Minute {
 			t.Errorf("msg %d commit time %s is not now", i, ct)

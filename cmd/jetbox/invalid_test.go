@@ -7,7 +7,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jetbox-dev/jetbox/decoder"
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/jetbox-dev/jetbox/internal/testenv"
 	"github.com/nats-io/nats.go"
 )
@@ -39,29 +40,29 @@ func TestDeadLetters(t *testing.T) {
 		sql, reason, rowID string // reason "" = a good row
 	}{
 		{good("good-1"), "", "good-1"},
-		{row("NULL", "'order'", "'1'", "'E'", "'{}'", "NULL"), decoder.ReasonBadID, ""},
-		{row("''", "'order'", "'1'", "'E'", "'{}'", "NULL"), decoder.ReasonBadID, ""},
-		{row("'r-null-payload'", "'order'", "'1'", "'E'", "NULL", "NULL"), decoder.ReasonNullPayload, "r-null-payload"},
-		{row("'r-null-agg-id'", "'order'", "NULL", "'E'", "'{}'", "NULL"), decoder.ReasonNullColumn, "r-null-agg-id"},
-		{row("'r-space'", "'big order'", "'1'", "'E'", "'{}'", "NULL"), decoder.ReasonBadSubject, "r-space"},
-		{row("'r-dot'", "'order'", "'1'", "'a.b'", "'{}'", "NULL"), decoder.ReasonBadSubject, "r-dot"},
-		{row("'r-star'", "'*'", "'1'", "'E'", "'{}'", "NULL"), decoder.ReasonBadSubject, "r-star"},
-		{row("'r-gt'", "'order'", "'1'", "'>'", "'{}'", "NULL"), decoder.ReasonBadSubject, "r-gt"},
-		{row("'r-empty-type'", "''", "'1'", "'E'", "'{}'", "NULL"), decoder.ReasonBadSubject, "r-empty-type"},
-		{row("'r-control'", `E'or\x01der'`, "'1'", "'E'", "'{}'", "NULL"), decoder.ReasonBadSubject, "r-control"},
-		{row("'r-crlf-agg-id'", "'order'", `E'1\r\n2'`, "'E'", "'{}'", "NULL"), decoder.ReasonBadAggregateID, "r-crlf-agg-id"},
-		{row("'r-headers-array'", "'order'", "'1'", "'E'", "'{}'", `'[1]'`), decoder.ReasonBadHeaders, "r-headers-array"},
-		{row("'r-headers-number'", "'order'", "'1'", "'E'", "'{}'", `'{"n": 1}'`), decoder.ReasonBadHeaders, "r-headers-number"},
-		{row("'r-headers-reserved'", "'order'", "'1'", "'E'", "'{}'", `'{"Nats-Msg-Id": "x"}'`), decoder.ReasonBadHeaders, "r-headers-reserved"},
+		{row("NULL", "'order'", "'1'", "'E'", "'{}'", "NULL"), format.ReasonBadID, ""},
+		{row("''", "'order'", "'1'", "'E'", "'{}'", "NULL"), format.ReasonBadID, ""},
+		{row("'r-null-payload'", "'order'", "'1'", "'E'", "NULL", "NULL"), format.ReasonNullPayload, "r-null-payload"},
+		{row("'r-null-agg-id'", "'order'", "NULL", "'E'", "'{}'", "NULL"), format.ReasonNullColumn, "r-null-agg-id"},
+		{row("'r-space'", "'big order'", "'1'", "'E'", "'{}'", "NULL"), format.ReasonBadSubject, "r-space"},
+		{row("'r-dot'", "'order'", "'1'", "'a.b'", "'{}'", "NULL"), format.ReasonBadSubject, "r-dot"},
+		{row("'r-star'", "'*'", "'1'", "'E'", "'{}'", "NULL"), format.ReasonBadSubject, "r-star"},
+		{row("'r-gt'", "'order'", "'1'", "'>'", "'{}'", "NULL"), format.ReasonBadSubject, "r-gt"},
+		{row("'r-empty-type'", "''", "'1'", "'E'", "'{}'", "NULL"), format.ReasonBadSubject, "r-empty-type"},
+		{row("'r-control'", `E'or\x01der'`, "'1'", "'E'", "'{}'", "NULL"), format.ReasonBadSubject, "r-control"},
+		{row("'r-crlf-agg-id'", "'order'", `E'1\r\n2'`, "'E'", "'{}'", "NULL"), format.ReasonBadAggregateID, "r-crlf-agg-id"},
+		{row("'r-headers-array'", "'order'", "'1'", "'E'", "'{}'", `'[1]'`), format.ReasonBadHeaders, "r-headers-array"},
+		{row("'r-headers-number'", "'order'", "'1'", "'E'", "'{}'", `'{"n": 1}'`), format.ReasonBadHeaders, "r-headers-number"},
+		{row("'r-headers-reserved'", "'order'", "'1'", "'E'", "'{}'", `'{"Nats-Msg-Id": "x"}'`), format.ReasonBadHeaders, "r-headers-reserved"},
 		// nats-server 2.10 finds its headers by text search (TestServerHeaderSearch in sink).
-		{row("'r-header-name-nats'", "'order'", "'1'", "'E'", "'{}'", `'{"X-Nats-Msg-Id": "x"}'`), decoder.ReasonBadHeaders, "r-header-name-nats"},
-		{row("'r-Nats-Expected-Last-Sequence'", "'order'", "'1'", "'E'", "'{}'", "NULL"), decoder.ReasonBadID, "r-Nats_Expected-Last-Sequence"}, // Jetbox-Row-Id escapes it
-		{row("'r-big'", "'order'", "'1'", "'E'", `jsonb_build_object('pad', repeat('x', 20000))`, "NULL"), decoder.ReasonTooLarge, "r-big"},
+		{row("'r-header-name-nats'", "'order'", "'1'", "'E'", "'{}'", `'{"X-Nats-Msg-Id": "x"}'`), format.ReasonBadHeaders, "r-header-name-nats"},
+		{row("'r-Nats-Expected-Last-Sequence'", "'order'", "'1'", "'E'", "'{}'", "NULL"), format.ReasonBadID, "r-Nats_Expected-Last-Sequence"}, // Jetbox-Row-Id escapes it
+		{row("'r-big'", "'order'", "'1'", "'E'", `jsonb_build_object('pad', repeat('x', 20000))`, "NULL"), format.ReasonTooLarge, "r-big"},
 		{good("good-2"), "", "good-2"},
-		{good("good-1"), decoder.ReasonDuplicateID, "good-1"}, // repeats good-1, two rows back
+		{good("good-1"), format.ReasonDuplicateID, "good-1"}, // repeats good-1, two rows back
 		// Two rows of one transaction, the second repeating the first's id.
 		{good("good-3") + "; " + good("good-3"), "", "good-3"},
-		{"", decoder.ReasonDuplicateID, "good-3"}, // (the second row above)
+		{"", format.ReasonDuplicateID, "good-3"}, // (the second row above)
 		{good("good-4"), "", "good-4"},
 	}
 	for _, c := range cases {
@@ -89,17 +90,17 @@ func TestDeadLetters(t *testing.T) {
 				continue
 			}
 			h := m.Header
-			if m.Subject != "outbox._dlq."+c.reason || h.Get(decoder.HeaderDeadLetterReason) != c.reason ||
-				h.Get(decoder.HeaderRowID) != c.rowID || h.Get("Jetbox-Commit-LSN") == "" || !strings.HasPrefix(m.ID, "jetbox-dlq-") ||
-				h.Get(decoder.HeaderTable) != "public.outbox" || !strings.Contains(h.Get(decoder.HeaderDeadLetterError), "transaction 0/") {
+			if m.Subject != "outbox._dlq."+c.reason || h.Get(format.HeaderDeadLetterReason) != c.reason ||
+				h.Get(format.HeaderRowID) != c.rowID || h.Get("Jetbox-Commit-LSN") == "" || !strings.HasPrefix(m.ID, "jetbox-dlq-") ||
+				h.Get(format.HeaderTable) != "public.outbox" || !strings.Contains(h.Get(format.HeaderDeadLetterError), "transaction 0/") {
 				t.Fatalf("message %d (%s): subject %s id %s headers %v", i, c.rowID, m.Subject, m.ID, h)
 			}
 			switch c.reason {
-			case decoder.ReasonTooLarge:
-				if h.Get(decoder.HeaderPayloadOmitted) != "true" || !strings.Contains(string(m.Data), `"id":"r-big"`) {
+			case format.ReasonTooLarge:
+				if h.Get(format.HeaderPayloadOmitted) != "true" || !strings.Contains(string(m.Data), `"id":"r-big"`) {
 					t.Fatalf("too-large dead letter: headers %v data %.200s", h, m.Data)
 				}
-			case decoder.ReasonNullPayload:
+			case format.ReasonNullPayload:
 			default:
 				if len(m.Data) == 0 {
 					t.Fatalf("message %d: dead letter lost the payload", i)
@@ -180,7 +181,7 @@ func TestDeadLetteredRowReplayedUnderStop(t *testing.T) {
 		ids = append(ids, m.ID)
 	}
 	if len(ids) != 4 || ids[0] != "good-1" || !strings.HasPrefix(ids[1], "jetbox-dlq-") || ids[2] != "good-2" || ids[3] != "good-3" ||
-		msgs[1].Header.Get(decoder.HeaderRowID) != "r-space" {
+		msgs[1].Header.Get(format.HeaderRowID) != "r-space" {
 		t.Fatalf("stream holds %v, want good-1, the dead letter of r-space, good-2, good-3", ids)
 	}
 	if code := p.stop(); code != exitOK {

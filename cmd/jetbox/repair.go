@@ -9,6 +9,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/jetbox-dev/jetbox/internal/natsembed"
 	"github.com/jetbox-dev/jetbox/internal/repair"
@@ -345,7 +347,7 @@ func (s repairStream) Open(ctx context.Context) (repair.Session, error) {
 }
 
 func (s repairStream) Last(ctx context.Context) (repair.Position, bool, error) {
-	o, ok := decoder.ParseOrigin(s.source)
+	o, ok := format.ParseOrigin(s.source)
 	if !ok {
 		return repair.Position{}, false, nil
 	}

@@ -6,6 +6,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/jetbox-dev/jetbox/decoder"
 )
 
@@ -148,7 +150,7 @@ func TestDeadLetterHintNamesSubject(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	got := deadLetterNext(cfg, decoder.ReasonTooLarge, "restart")
+	got := deadLetterNext(cfg, format.ReasonTooLarge, "restart")
 	if !strings.Contains(got, "events.dlq.too-large") || strings.Contains(got, "._dlq") || strings.Contains(got, "restart with --on-invalid") {
 		t.Errorf("with --dead-letter-subject: %q", got)
 	}
@@ -156,7 +158,7 @@ func TestDeadLetterHintNamesSubject(t *testing.T) {
 	if cfg, err = f.Config(); err != nil {
 		t.Fatal(err)
 	}
-	if got := deadLetterNext(cfg, decoder.ReasonBadSubject, "restart"); !strings.Contains(got, "restart with --on-invalid=dead-letter to publish it to outbox._dlq.bad-subject") {
+	if got := deadLetterNext(cfg, format.ReasonBadSubject, "restart"); !strings.Contains(got, "restart with --on-invalid=dead-letter to publish it to outbox._dlq.bad-subject") {
 		t.Errorf("stop: %q", got)
 	}
 }

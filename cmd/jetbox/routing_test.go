@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/jackc/pgx/v5"
 	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/jetbox-dev/jetbox/internal/testenv"
@@ -315,8 +317,8 @@ func TestBadEnvelope(t *testing.T) {
 		t.Fatalf("stream %+v, oracle %+v", msgs, want)
 	}
 	dl := msgs[1]
-	if dl.Subject != "outbox._dlq."+decoder.ReasonBadEnvelope || string(dl.Data) != bad ||
-		dl.Header.Get(decoder.HeaderDeadLetterReason) != decoder.ReasonBadEnvelope || dl.Header.Get(decoder.HeaderMessagePrefix) != "jetbox" {
+	if dl.Subject != "outbox._dlq."+format.ReasonBadEnvelope || string(dl.Data) != bad ||
+		dl.Header.Get(format.HeaderDeadLetterReason) != format.ReasonBadEnvelope || dl.Header.Get(format.HeaderMessagePrefix) != "jetbox" {
 		t.Fatalf("dead letter %+v", dl)
 	}
 	if code := p.stop(); code != exitOK {

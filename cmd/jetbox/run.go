@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/jackc/pglogrepl"
 	"io"
 	"math"
 	"net"
@@ -12,6 +11,9 @@ import (
 	"runtime/debug"
 	"strconv"
 	"time"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jetbox-dev/jetbox/sink/format"
 
 	"github.com/cenkalti/backoff/v5"
 	"github.com/jetbox-dev/jetbox/decoder"
@@ -64,7 +66,7 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 	cfg.Metrics.SetBuild(buildVersion())
 	var deadLetter []string
 	if cfg.Replication.Decoder.DeadLetterSubject != "" {
-		for _, r := range decoder.Reasons() {
+		for _, r := range format.Reasons() {
 			if (&decoder.InvalidEventError{Code: r}).DeadLetterable() {
 				deadLetter = append(deadLetter, r)
 			}
@@ -74,7 +76,7 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 	if cfg.Replication.Decoder.MessagePrefix != "" || cfg.Replication.HeartbeatInterval > 0 {
 		ignored = decoder.IgnoredReasons()
 	}
-	cfg.Metrics.InitLabels(decoder.Reasons(), deadLetter, ignored)
+	cfg.Metrics.InitLabels(format.Reasons(), deadLetter, ignored)
 	cfg.Replication.Metrics, cfg.Sink.Metrics = cfg.Metrics, cfg.Metrics
 	ops, err := startOps(cfg.HTTPAddr, cfg.Metrics, log)
 	if err != nil {
@@ -258,7 +260,7 @@ func (a sinkAdapter) Tip(ctx context.Context, writer string) (replication.Stream
 // Forget abandons the positions of an accepted lost history; the slot's
 // replay of it from from is checked message by message (sink.ForgetHistory).
 func (a sinkAdapter) Forget(t replication.StreamTip, from pglogrepl.LSN) {
-	a.p.ForgetHistory(t.Seq, t.Source, sink.Position{CommitLSN: uint64(from)})
+	a.p.ForgetHistory(t.Seq, t.Source, format.Position{CommitLSN: uint64(from)})
 }
 
 func (a sinkAdapter) Open(ctx context.Context, source string) (replication.Session, error) {
@@ -415,5 +417,5 @@ func deadLetterNext(cfg Config, code, verb string) string {
 	if dl := cfg.Replication.Decoder.DeadLetterSubject; dl != "" {
 		return fmt.Sprintf("or fix what refused its dead letter on %s.%s (jetbox runs with --on-invalid=dead-letter: see the error) and %s", dl, code, verb)
 	}
-	return fmt.Sprintf("or %s with --on-invalid=dead-letter to publish it to %s._dlq.%s (or to --dead-letter-subject.%s) and go on", verb, cfg.Sink.SubjectPrefix, code, code)
+	return fmt.Sprintf("or %s with --on-invalid=dead-letter to publish it to %s.%s (or to --dead-letter-subject.%s) and go on", verb, format.DefaultDeadLetterSubject(cfg.Sink.SubjectPrefix), code, code)
 }

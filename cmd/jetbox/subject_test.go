@@ -7,7 +7,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jetbox-dev/jetbox/decoder"
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/jetbox-dev/jetbox/internal/metrics"
 	"github.com/jetbox-dev/jetbox/internal/testenv"
 	"github.com/jetbox-dev/jetbox/sink"
@@ -45,7 +46,7 @@ func TestLongSubject(t *testing.T) {
 			t.Fatalf("exit %d, want %d", code, exitFailure)
 		}
 		log := p.logText()
-		for _, want := range []string{bad, decoder.ReasonBadSubject, "max_control_line", "--nats-max-control-line", "--on-invalid=dead-letter"} {
+		for _, want := range []string{bad, format.ReasonBadSubject, "max_control_line", "--nats-max-control-line", "--on-invalid=dead-letter"} {
 			if !strings.Contains(log, want) {
 				t.Fatalf("log lacks %q:\n%s", want, p.tail(3000))
 			}
@@ -60,9 +61,9 @@ func TestLongSubject(t *testing.T) {
 		f.waitCount(3, time.Minute)
 		msgs := testenv.ReadStream(t, f.js, "OUTBOX", true)
 		dl := msgs[1]
-		if msgs[0].ID != before || msgs[2].ID != after || dl.Subject != "outbox._dlq."+decoder.ReasonBadSubject ||
-			dl.Header.Get(decoder.HeaderRowID) != bad || dl.Header.Get(decoder.HeaderDeadLetterReason) != decoder.ReasonBadSubject ||
-			!strings.Contains(dl.Header.Get(decoder.HeaderDeadLetterError), "max_control_line") {
+		if msgs[0].ID != before || msgs[2].ID != after || dl.Subject != "outbox._dlq."+format.ReasonBadSubject ||
+			dl.Header.Get(format.HeaderRowID) != bad || dl.Header.Get(format.HeaderDeadLetterReason) != format.ReasonBadSubject ||
+			!strings.Contains(dl.Header.Get(format.HeaderDeadLetterError), "max_control_line") {
 			t.Fatalf("stream: %s %s | %s %s %v | %s %s", msgs[0].ID, msgs[0].Subject, dl.ID, dl.Subject, dl.Header, msgs[2].ID, msgs[2].Subject)
 		}
 		if code := p.stop(); code != exitOK {
@@ -101,7 +102,7 @@ func TestNATSConnectionClosed(t *testing.T) {
 	// a dead letter here, and the row after it arrives.
 	p = f.start("JETBOX_ON_INVALID=dead-letter")
 	f.waitCount(3, time.Minute)
-	if msgs := testenv.ReadStream(t, f.js, "OUTBOX", false); msgs[1].Subject != "outbox._dlq."+decoder.ReasonBadSubject || msgs[2].ID != after {
+	if msgs := testenv.ReadStream(t, f.js, "OUTBOX", false); msgs[1].Subject != "outbox._dlq."+format.ReasonBadSubject || msgs[2].ID != after {
 		t.Fatalf("after the restart: %+v", msgs)
 	}
 	if code := p.stop(); code != exitOK {

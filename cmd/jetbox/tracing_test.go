@@ -17,9 +17,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/jetbox-dev/jetbox/internal/metrics"
 	"github.com/jetbox-dev/jetbox/internal/testenv"
-	"github.com/jetbox-dev/jetbox/sink"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/rs/zerolog"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
@@ -192,7 +193,7 @@ func TestTracing(t *testing.T) {
 		}
 		for k, want := range map[string]string{
 			"messaging.system": "nats", "messaging.destination.name": m.Subject, "messaging.operation.type": "send",
-			"jetbox.commit_lsn": m.Header.Get(sink.HeaderCommitLSN), "jetbox.tx_index": m.Header.Get(sink.HeaderTxIndex),
+			"jetbox.commit_lsn": m.Header.Get(format.HeaderCommitLSN), "jetbox.tx_index": m.Header.Get(format.HeaderTxIndex),
 			"jetbox.stream": "OUTBOX", "jetbox.stream_sequence": strconv.FormatUint(m.Seq, 10), "jetbox.outcome": "published",
 		} {
 			if got := attrString(s.Attributes, k); got != want {

@@ -25,6 +25,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/jackc/pglogrepl"
 	"github.com/jetbox-dev/jetbox/checkpoint"
 	"github.com/jetbox-dev/jetbox/decoder"
@@ -175,7 +177,7 @@ func (r *runner) row(ctx context.Context, row Row) error {
 		r.prog.Skipped.Add(1)
 		return nil
 	case reused:
-		cause := &decoder.InvalidEventError{ID: id, LSN: r.cfg.Position, TxIndex: r.k, Code: decoder.ReasonDuplicateID, Column: "id",
+		cause := &decoder.InvalidEventError{ID: id, LSN: r.cfg.Position, TxIndex: r.k, Code: format.ReasonDuplicateID, Column: "id",
 			Reason: "the stream holds a message with this id that was committed before the row was inserted (an id issued again, e.g. a sequence after a restore): JetStream would take the row for that message",
 			Hint:   "give every outbox row a unique id (the default gen_random_uuid()); run with --on-invalid=dead-letter to send this row to the dead-letter subject"}
 		if ie := r.deadLetterable(cause); ie == nil || ev.DeadLetter != nil {

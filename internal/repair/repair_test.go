@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jetbox-dev/jetbox/sink/format"
+
 	"github.com/jackc/pglogrepl"
 	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/jetbox-dev/jetbox/internal/fault"
@@ -111,7 +113,7 @@ func (s *fakeSession) Publish(ev *decoder.Event, done func(error)) error {
 	case fail:
 		err = errors.New("fake: no PubAck")
 	case invalid:
-		err = &decoder.InvalidEventError{ID: ev.ID, LSN: ev.CommitLSN, TxIndex: ev.TxIndex, Code: decoder.ReasonDuplicateID, Column: "id", Reason: "repeated id"}
+		err = &decoder.InvalidEventError{ID: ev.ID, LSN: ev.CommitLSN, TxIndex: ev.TxIndex, Code: format.ReasonDuplicateID, Column: "id", Reason: "repeated id"}
 	case permanent:
 		err = fault.New(errors.New("fake: stream deleted"), "restart")
 	}
@@ -414,7 +416,7 @@ func TestReusedIDIsNotSkipped(t *testing.T) {
 		st := &fakeStream{ordered: true}
 		_, err := run(t, st, scan, cfg)
 		var ie *decoder.InvalidEventError
-		if !errors.As(err, &ie) || ie.ID != "r01" || ie.Code != decoder.ReasonDuplicateID {
+		if !errors.As(err, &ie) || ie.ID != "r01" || ie.Code != format.ReasonDuplicateID {
 			t.Fatalf("Run returned %v, want duplicate-id for r01", err)
 		}
 	})
