@@ -32,7 +32,7 @@ func (c Config) DeadLetter(ev *Event, cause *InvalidEventError) Event {
 		CommitTime:    ev.CommitTime,
 		TxIndex:       ev.TxIndex,
 		XID:           ev.XID,
-		Source:        ev.Source,
+		Origin:        ev.Origin,
 		DeadLetter:    cause,
 	}
 	orig := ev.Subject // set when the subject was not the problem

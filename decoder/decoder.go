@@ -162,9 +162,9 @@ type Event struct {
 	CommitTime    time.Time
 	TxIndex       int // position of the row in its transaction, from 0
 	XID           uint32
-	// Source identifies the WAL history the event comes from
+	// Origin identifies the WAL history the event comes from
 	// ("<system id>/<timeline>/<database>/<slot>"); set by replication.
-	Source string
+	Origin string
 	// DeadLetter is set on a dead letter: why the row it stands for could
 	// not be published.
 	DeadLetter *InvalidEventError
@@ -217,7 +217,7 @@ type Decoder struct {
 	index      int
 
 	cols   []column // splitTuple's storage, reused for every insert
-	source string   // Event.Source of every event (SetSource)
+	origin string   // Event.Origin of every event (SetOrigin)
 }
 
 // New returns a decoder for cfg. Call Validate on cfg first.
@@ -254,9 +254,9 @@ func (d *Decoder) SetPartitions(oids []uint32, lookup PartitionLookup) {
 // types. A domain it does not know is judged as an unknown type.
 func (d *Decoder) SetDomains(domains Domains) { d.domains = domains }
 
-// SetSource sets the WAL history (Event.Source) of the events decoded from
+// SetOrigin sets the WAL history (Event.Origin) of the events decoded from
 // now on: the sink's headers carry it, so their size counts it.
-func (d *Decoder) SetSource(source string) { d.source = source }
+func (d *Decoder) SetOrigin(origin string) { d.origin = origin }
 
 // InTransaction reports whether a Begin was decoded without its Commit.
 func (d *Decoder) InTransaction() bool { return d.inTxn }
@@ -395,7 +395,7 @@ func (d *Decoder) decodeInsert(src []byte) (Message, error) {
 		return Message{}, err
 	}
 	d.cols = cols // reused: the columns alias data, read only during Decode
-	ev := Event{CommitLSN: d.commitLSN, CommitTime: d.commitTime, TxIndex: index, XID: d.xid, Source: d.source}
+	ev := Event{CommitLSN: d.commitLSN, CommitTime: d.commitTime, TxIndex: index, XID: d.xid, Origin: d.origin}
 	msg := Message{Kind: KindEvent}
 	if rel.partition && !rel.named {
 		msg.Partition, rel.named = rel.name, true

@@ -98,7 +98,7 @@ func (d *Decoder) decodeMessage(src []byte) (Message, error) {
 	}
 	index := d.index
 	d.index++
-	ev := Event{CommitLSN: d.commitLSN, CommitTime: d.commitTime, TxIndex: index, XID: d.xid, Source: d.source, messagePrefix: m.Prefix}
+	ev := Event{CommitLSN: d.commitLSN, CommitTime: d.commitTime, TxIndex: index, XID: d.xid, Origin: d.origin, messagePrefix: m.Prefix}
 	if err := d.cfg.fillMessage(&ev, m.Content); err != nil {
 		err.LSN, err.TxIndex = d.commitLSN, index
 		if d.cfg.DeadLetterSubject == "" || !err.DeadLetterable() {

@@ -13,7 +13,7 @@ import (
 // none. Open may fail (the stream is unreachable); an error that
 // implements Permanent() true stops jetbox.
 type Sink interface {
-	// Open starts a session for events from source (see decoder.Event.Source).
+	// Open starts a session for events from source (see decoder.Event.Origin).
 	Open(ctx context.Context, source string) (Session, error)
 }
 

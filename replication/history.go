@@ -21,7 +21,7 @@ import (
 // jetbox message (see sink.Tip).
 type StreamTip struct {
 	Seq        uint64
-	Source     string // Jetbox-Source: <system id>/<timeline>/<database>/<slot>
+	Origin     string // Jetbox-Source: <system id>/<timeline>/<database>/<slot>
 	CommitLSN  pglogrepl.LSN
 	TxIndex    int    // Jetbox-Tx-Index
 	ID         string // Nats-Msg-Id
@@ -95,7 +95,7 @@ func withSource(err error, cfg Config) error {
 // Permanent marks the error as one to stop on.
 func (e *HistoryError) Permanent() bool { return true }
 
-// sourceOf is the WAL history an event comes from (decoder.Event.Source).
+// sourceOf is the WAL history an event comes from (decoder.Event.Origin).
 func sourceOf(sys pglogrepl.IdentifySystemResult, slot string) string {
 	return format.Origin{SystemID: sys.SystemID, Timeline: sys.Timeline, Database: sys.DBName, Slot: slot}.String()
 }
@@ -123,7 +123,7 @@ func verify(ctx context.Context, tip StreamTip, haveTip bool, srv server, slot s
 	if !haveTip {
 		return nil
 	}
-	src, ok := format.ParseOrigin(tip.Source)
+	src, ok := format.ParseOrigin(tip.Origin)
 	if !ok || src.SystemID != srv.sys.SystemID || src.Database != srv.sys.DBName || src.Slot != slot {
 		return nil // not this database's history
 	}
@@ -268,7 +268,7 @@ func checkHistory(ctx context.Context, conn *pgconn.PgConn, cfg Config, ts TipSo
 // ownTip reports whether the tip comes from this database and slot (on any
 // timeline: verify checked the server continues it).
 func ownTip(tip StreamTip, sys pglogrepl.IdentifySystemResult, slot string) bool {
-	src, ok := format.ParseOrigin(tip.Source)
+	src, ok := format.ParseOrigin(tip.Origin)
 	return ok && src.SystemID == sys.SystemID && src.Database == sys.DBName && src.Slot == slot
 }
 

@@ -17,7 +17,7 @@ func TestVerifyHistory(t *testing.T) {
 			history: func(context.Context, int32) ([]byte, error) { return hist, nil }}
 	}
 	tip := func(src string, lsn pglogrepl.LSN) StreamTip {
-		return StreamTip{Seq: 9, Source: src, CommitLSN: lsn, CommitTime: "2026-12-01T20:00:00.000000000Z"}
+		return StreamTip{Seq: 9, Origin: src, CommitLSN: lsn, CommitTime: "2026-12-01T20:00:00.000000000Z"}
 	}
 	for _, c := range []struct {
 		name    string
@@ -65,7 +65,7 @@ func TestVerifyHistory(t *testing.T) {
 func TestCheckScheme(t *testing.T) {
 	const mixed, messages = "table,messages:jetbox", "messages:jetbox"
 	tip := func(scheme string, lsn pglogrepl.LSN) StreamTip {
-		return StreamTip{Seq: 9, Source: "42/1/app/jetbox", CommitLSN: lsn, CommitTime: "2026-12-01T20:00:00.000000000Z", Scheme: scheme}
+		return StreamTip{Seq: 9, Origin: "42/1/app/jetbox", CommitLSN: lsn, CommitTime: "2026-12-01T20:00:00.000000000Z", Scheme: scheme}
 	}
 	for _, c := range []struct {
 		name    string
@@ -118,7 +118,7 @@ func TestOwnTip(t *testing.T) {
 		"42/1/app/jetbox": true, "42/2/app/jetbox": true, "42/2/other/jetbox": false,
 		"7/2/app/jetbox": false, "42/2/app/slot2": false, "garbage": false,
 	} {
-		if got := ownTip(StreamTip{Source: src}, sys, "jetbox"); got != want {
+		if got := ownTip(StreamTip{Origin: src}, sys, "jetbox"); got != want {
 			t.Errorf("ownTip(%q) = %v, want %v", src, got, want)
 		}
 	}

@@ -11,7 +11,7 @@ import (
 )
 
 func TestTipReplay(t *testing.T) {
-	tip := StreamTip{Seq: 9, Source: fakeSource, CommitLSN: 0x3000, TxIndex: 1, ID: "b"}
+	tip := StreamTip{Seq: 9, Origin: fakeSource, CommitLSN: 0x3000, TxIndex: 1, ID: "b"}
 	type step struct {
 		kind  string // "event", "commit" or "walend"
 		lsn   pglogrepl.LSN
@@ -75,7 +75,7 @@ func TestRewindWrittenPastTheTipStops(t *testing.T) {
 	h := newHarness(t, Config{}, sink)
 	x := h.tx(2) // the new history: other rows at the positions the stream holds
 	y := h.tx(1)
-	sink.tip = &StreamTip{Seq: 40, Source: fakeSource, CommitLSN: y.commit, TxIndex: 0, ID: "old-row"}
+	sink.tip = &StreamTip{Seq: 40, Origin: fakeSource, CommitLSN: y.commit, TxIndex: 0, ID: "old-row"}
 	h.run()
 	h.wal.send(x.all()...)
 	h.wal.send(y.all()...)
@@ -104,7 +104,7 @@ func TestReplayOfTheTipGoesOn(t *testing.T) {
 	h := newHarness(t, Config{}, sink)
 	x := h.tx(2)
 	y := h.tx(1)
-	sink.tip = &StreamTip{Seq: 40, Source: fakeSource, CommitLSN: x.commit, TxIndex: 1, ID: x.ids[1]}
+	sink.tip = &StreamTip{Seq: 40, Origin: fakeSource, CommitLSN: x.commit, TxIndex: 1, ID: x.ids[1]}
 	h.run()
 	waitFor(t, "the first status update", func() bool { _, _, n := h.wal.counts(); return n >= 1 })
 	h.wal.send(x.begin(), x.insert(0))
@@ -127,7 +127,7 @@ func TestRewindWrittenPastTheTipAccepted(t *testing.T) {
 	sink := &fakeSink{}
 	h := newHarness(t, Config{AcceptLostRows: true}, sink)
 	x := h.tx(1)
-	sink.tip = &StreamTip{Seq: 40, Source: fakeSource, CommitLSN: x.commit, TxIndex: 0, ID: "old-row"}
+	sink.tip = &StreamTip{Seq: 40, Origin: fakeSource, CommitLSN: x.commit, TxIndex: 0, ID: "old-row"}
 	h.run()
 	h.wal.send(x.begin(), x.insert(0)) // the session ends here: its commit is not sent
 	waitFor(t, "the next session's first status update", func() bool {
@@ -153,7 +153,7 @@ func TestReplayOfASinkDeadLetterTipGoesOn(t *testing.T) {
 	h := newHarness(t, Config{}, sink)
 	x := h.tx(1)
 	y := h.tx(1)
-	sink.tip = &StreamTip{Seq: 40, Source: fakeSource, CommitLSN: x.commit, TxIndex: 0,
+	sink.tip = &StreamTip{Seq: 40, Origin: fakeSource, CommitLSN: x.commit, TxIndex: 0,
 		ID: "jetbox-dlq-" + x.commit.String() + "-0", RowID: x.ids[0]}
 	h.run()
 	h.wal.send(x.all()...)
@@ -204,9 +204,9 @@ func TestReplayOfADeadLetteredRowUnderStop(t *testing.T) {
 			sink.held = func(lsn pglogrepl.LSN, index int) bool { return c.held && lsn == x.commit && index <= 1 }
 			if c.tipID != nil {
 				id, rowID, _ := strings.Cut(c.tipID(x), "|")
-				sink.tip = &StreamTip{Seq: 40, Source: fakeSource, CommitLSN: x.commit, TxIndex: 1, ID: id, RowID: rowID}
+				sink.tip = &StreamTip{Seq: 40, Origin: fakeSource, CommitLSN: x.commit, TxIndex: 1, ID: id, RowID: rowID}
 			} else {
-				sink.tip = &StreamTip{Seq: 40, Source: fakeSource, CommitLSN: x.commit, TxIndex: 0, ID: x.ids[0]}
+				sink.tip = &StreamTip{Seq: 40, Origin: fakeSource, CommitLSN: x.commit, TxIndex: 0, ID: x.ids[0]}
 			}
 			h.run()
 			h.wal.send(x.begin(), x.insert(0), xlogData(x.commit-0x40, badInsertMsg(x.ids[1])), x.insert(2), x.commitData())

@@ -103,7 +103,7 @@ func (s *Streamer) session(ctx context.Context) (err error) {
 	}
 	l.dec.SetOutbox(s.outbox)
 	l.dec.SetDomains(domains)
-	l.dec.SetSource(source)
+	l.dec.SetOrigin(source)
 	defer setPartitions(l.dec, partitions, s.connString)()
 	s.sent.Store(uint64(start))
 	// Open the sink only now that this instance holds the slot: a standby

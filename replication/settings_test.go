@@ -34,7 +34,7 @@ func routedTip(t *testing.T, cfg decoder.Config) StreamTip {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return StreamTip{Seq: 9, Source: "42/1/app/jetbox", CommitLSN: 0x3000000, CommitTime: "2026-12-01T20:00:00.000000000Z",
+	return StreamTip{Seq: 9, Origin: "42/1/app/jetbox", CommitLSN: 0x3000000, CommitTime: "2026-12-01T20:00:00.000000000Z",
 		Routing: cfg.RoutingHeader(), AggregateType: "order", AggregateID: "o-1", EventType: "E", Subject: subject}
 }
 
@@ -64,7 +64,7 @@ func TestCheckRouting(t *testing.T) {
 	}
 	atomicTip := routedTip(t, p4)
 	atomicTip.Routing += " atomic"
-	dlq := StreamTip{Seq: 9, Source: "42/1/app/jetbox", Subject: "outbox._dlq.bad-headers", RowID: "r1"}
+	dlq := StreamTip{Seq: 9, Origin: "42/1/app/jetbox", Subject: "outbox._dlq.bad-headers", RowID: "r1"}
 	for _, c := range []struct {
 		name   string
 		tip    StreamTip
@@ -123,7 +123,7 @@ func TestCheckRouting(t *testing.T) {
 
 func TestCheckAtomic(t *testing.T) {
 	tip := func(routing string, last bool) StreamTip {
-		return StreamTip{Seq: 9, Source: "42/1/app/jetbox", CommitLSN: 0x3000000, CommitTime: "2026-12-01T20:00:00.000000000Z", Routing: routing, TxLast: last}
+		return StreamTip{Seq: 9, Origin: "42/1/app/jetbox", CommitLSN: 0x3000000, CommitTime: "2026-12-01T20:00:00.000000000Z", Routing: routing, TxLast: last}
 	}
 	const replayed, confirmed = pglogrepl.LSN(0x3000000), pglogrepl.LSN(0x3000100)
 	p4 := "template=" + partitioned + " partitions=4"

@@ -90,8 +90,8 @@ type Repair struct {
 
 	// ConsistentPoint is the new slot's consistent point (0 in a dry run).
 	ConsistentPoint pglogrepl.LSN
-	// Source is the new slot's WAL history, for decoder.Event.Source.
-	Source string
+	// Origin is the new slot's WAL history, for decoder.Event.Origin.
+	Origin string
 	// CommitTimestamps: track_commit_timestamp is on, rows are ordered and
 	// filtered by their commit time.
 	CommitTimestamps bool
@@ -197,7 +197,7 @@ func OpenRepair(ctx context.Context, connString string, cfg Config, opt RepairOp
 	if err != nil {
 		return nil, fmt.Errorf("identify system: %w", err)
 	}
-	r.Source = sourceOf(sys, cfg.Slot)
+	r.Origin = sourceOf(sys, cfg.Slot)
 	// On PostgreSQL 17+ jetbox run's slots are failover slots; the
 	// repair's becomes one only when the repair is done (Finish). The
 	// marker is a physical slot, which a standby never gets: a failover
@@ -221,7 +221,7 @@ func OpenRepair(ctx context.Context, connString string, cfg Config, opt RepairOp
 		return nil, fmt.Errorf("import snapshot %q: %w", res.SnapshotName, err)
 	}
 	r.log.Info().Str("lsn", r.ConsistentPoint.String()).Str("snapshot", res.SnapshotName).Bool("failover", r.Failover).
-		Str("source", r.Source).Msg("created the slot with an exported snapshot: rows committed before its consistent point are read from the table, later ones come from the slot")
+		Str("source", r.Origin).Msg("created the slot with an exported snapshot: rows committed before its consistent point are read from the table, later ones come from the slot")
 	return r, nil
 }
 

@@ -32,7 +32,7 @@ func txn(lsn pglogrepl.LSN, prefix string, n int) []*decoder.Event {
 	evs := make([]*decoder.Event, n)
 	for i := range evs {
 		ev := event(fmt.Sprintf("%s-%d", prefix, i), "order", "E")
-		ev.CommitLSN, ev.TxIndex, ev.Source = lsn, i, "test"
+		ev.CommitLSN, ev.TxIndex, ev.Origin = lsn, i, "test"
 		evs[i] = ev
 	}
 	return evs

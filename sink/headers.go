@@ -30,8 +30,8 @@ func MessageSize(ev *decoder.Event, indexScheme, routing string) int {
 	n += len(format.HeaderCommitLSN) + hexDigits(uint32(ev.CommitLSN>>32)) + 1 + hexDigits(uint32(ev.CommitLSN)) + 4
 	n += len(format.HeaderCommitTime) + len(format.CommitTimeLayout) - len("Z07:00") + len("Z") + 4 // always UTC
 	n += len(format.HeaderTxIndex) + decimalDigits(ev.TxIndex) + 4
-	if ev.Source != "" {
-		field(format.HeaderSource, ev.Source)
+	if ev.Origin != "" {
+		field(format.HeaderSource, ev.Origin)
 	}
 	if indexScheme != "" {
 		field(format.HeaderIndexScheme, indexScheme)

@@ -17,7 +17,7 @@ import (
 // history of a database ends.
 type Tip struct {
 	Seq        uint64
-	Source     string // Jetbox-Source
+	Origin     string // Jetbox-Source
 	CommitLSN  pglogrepl.LSN
 	TxIndex    int    // Jetbox-Tx-Index
 	ID         string // Nats-Msg-Id
@@ -112,7 +112,7 @@ func tipOf(seq uint64, subject string, stored time.Time, h nats.Header, writer s
 	if !ok || !parsed || o.Writer() != writer {
 		return Tip{}, false
 	}
-	return Tip{Seq: seq, Source: src, CommitLSN: pglogrepl.LSN(pos.CommitLSN), TxIndex: pos.TxIndex, ID: h.Get(jetstream.MsgIDHeader), RowID: h.Get(format.HeaderRowID),
+	return Tip{Seq: seq, Origin: src, CommitLSN: pglogrepl.LSN(pos.CommitLSN), TxIndex: pos.TxIndex, ID: h.Get(jetstream.MsgIDHeader), RowID: h.Get(format.HeaderRowID),
 		CommitTime: h.Get(format.HeaderCommitTime), Scheme: h.Get(format.HeaderIndexScheme), Routing: h.Get(format.HeaderRouting), TxLast: h.Get(format.HeaderTxLast) == "true",
 		AggregateType: h.Get(format.HeaderAggregateType), AggregateID: h.Get(format.HeaderAggregateID), EventType: h.Get(format.HeaderEventType),
 		Stored: stored, RepairSince: h.Get(format.HeaderRepairSince), Subject: subject}, true

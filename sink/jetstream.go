@@ -282,7 +282,7 @@ type pendingAck struct {
 // it first reads the stream's last message: its position is where this
 // session resumes, and its sequence the base of the expected sequences.
 //
-// source identifies this writer's WAL history (see decoder.Event.Source):
+// source identifies this writer's WAL history (see decoder.Event.Origin):
 // exactly-once mode refuses to resume after a message from another one.
 func (p *Publisher) Open(ctx context.Context, source string) (*Session, error) {
 	return p.open(ctx, source, false)
@@ -479,8 +479,8 @@ func (p *Publisher) fillHeader(h nats.Header, vals []string, ev *decoder.Event, 
 	vals = setHeader(h, vals, format.HeaderCommitLSN, tx.lsnText)
 	vals = setHeader(h, vals, format.HeaderCommitTime, tx.ctime)
 	vals = setHeader(h, vals, format.HeaderTxIndex, strconv.Itoa(ev.TxIndex))
-	if ev.Source != "" {
-		vals = setHeader(h, vals, format.HeaderSource, ev.Source)
+	if ev.Origin != "" {
+		vals = setHeader(h, vals, format.HeaderSource, ev.Origin)
 	}
 	if p.cfg.IndexScheme != "" {
 		vals = setHeader(h, vals, format.HeaderIndexScheme, p.cfg.IndexScheme)

@@ -45,7 +45,7 @@ func baseConfig() sink.Config {
 
 func event(id, agg, typ string) *decoder.Event {
 	return &decoder.Event{ID: id, Subject: "outbox." + agg + "." + typ, AggregateType: agg, AggregateID: "a1",
-		EventType: typ, Payload: []byte(`{"id":"` + id + `"}`), CommitLSN: 0x16B3748, CommitTime: time.Unix(1, 5).UTC(), Source: "test"}
+		EventType: typ, Payload: []byte(`{"id":"` + id + `"}`), CommitLSN: 0x16B3748, CommitTime: time.Unix(1, 5).UTC(), Origin: "test"}
 }
 
 // publishAll publishes evs in one session and returns each done error.
@@ -258,7 +258,7 @@ func TestExactlyOnceRefusesAnotherSource(t *testing.T) {
 		t.Fatal(err)
 	}
 	ev := event("id-1", "order", "E")
-	ev.Source = "sys/1/app/jetbox"
+	ev.Origin = "sys/1/app/jetbox"
 	done := make(chan error, 1)
 	if err := s.Publish(ev, func(err error) { done <- err }); err != nil {
 		t.Fatal(err)
@@ -440,7 +440,7 @@ func TestAcceptedLostHistoryNotStoredTwice(t *testing.T) {
 			p := streamPublisher(t, n, cfg)
 			ev := func(id string, lsn uint64) *decoder.Event {
 				e := event(id, "order", "E")
-				e.CommitLSN, e.Source = pglogrepl.LSN(lsn), "42/1/app/jetbox"
+				e.CommitLSN, e.Origin = pglogrepl.LSN(lsn), "42/1/app/jetbox"
 				return e
 			}
 			open := func() *sink.Session {
@@ -467,7 +467,7 @@ func TestAcceptedLostHistoryNotStoredTwice(t *testing.T) {
 			s = open()
 			errs := make([]error, 3)
 			for i, e := range []*decoder.Event{ev("a", 0x100), ev("x", 0x200), ev("d", 0x400)} {
-				e.Source = "42/2/app/jetbox"
+				e.Origin = "42/2/app/jetbox"
 				if err := s.Publish(e, func(err error) { errs[i] = err }); err != nil {
 					t.Fatal(err)
 				}

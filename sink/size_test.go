@@ -24,7 +24,7 @@ func TestMessageSize(t *testing.T) {
 		{ID: strings.Repeat("i", 200), Subject: "outbox.o.E", AggregateType: "o", AggregateID: strings.Repeat("x", 300), EventType: "E",
 			Payload: []byte(strings.Repeat("p", 9000)), CommitLSN: 0xFFFFFFFF_0000ABCD, TxIndex: 123456,
 			CommitTime: time.Date(2026, 1, 2, 3, 4, 5, 0, time.FixedZone("x", 3600)),
-			Source:     "7300000000000000001/12/app%2Fdb/jetbox", Headers: []decoder.Header{{Key: "traceparent", Value: " 00-1 "}, {Key: "X-A", Value: ""}}},
+			Origin:     "7300000000000000001/12/app%2Fdb/jetbox", Headers: []decoder.Header{{Key: "traceparent", Value: " 00-1 "}, {Key: "X-A", Value: ""}}},
 	} {
 		var tx txText
 		h := p.header(ev, &tx, 0)

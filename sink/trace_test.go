@@ -191,7 +191,7 @@ func TestAbandonedSpansEnd(t *testing.T) {
 	// One event stored, then the link blackholed under three more.
 	stored := make(chan error, 1)
 	ev := traceEvent()
-	ev.Source, ev.TxIndex = "test", 0
+	ev.Origin, ev.TxIndex = "test", 0
 	if err := s.Publish(ev, func(err error) { stored <- err }); err != nil {
 		t.Fatal(err)
 	}
@@ -201,7 +201,7 @@ func TestAbandonedSpansEnd(t *testing.T) {
 	px.Pause()
 	for i := 1; i <= 3; i++ {
 		ev := traceEvent()
-		ev.ID, ev.Source, ev.TxIndex = fmt.Sprint("id-", i+1), "test", i
+		ev.ID, ev.Origin, ev.TxIndex = fmt.Sprint("id-", i+1), "test", i
 		if err := s.Publish(ev, func(error) {}); err != nil {
 			t.Fatal(err)
 		}
@@ -283,7 +283,7 @@ func TestRoutingHeader(t *testing.T) {
 		p := &Publisher{cfg: Config{Stream: "OUTBOX", Routing: routing}}
 		var tx txText
 		ev := traceEvent()
-		ev.Source, ev.AggregateType, ev.AggregateID, ev.EventType = "42/1/app/jetbox", "order", "o-1", "OrderCreated"
+		ev.Origin, ev.AggregateType, ev.AggregateID, ev.EventType = "42/1/app/jetbox", "order", "o-1", "OrderCreated"
 		h := p.header(ev, &tx, 2)
 		got, ok := h[format.HeaderRouting]
 		switch {
@@ -293,7 +293,7 @@ func TestRoutingHeader(t *testing.T) {
 			t.Errorf("header %s = %q, want %q", format.HeaderRouting, got, routing)
 		}
 		h[format.HeaderTxLast] = []string{"true"}
-		tip, ok := tipOf(7, ev.Subject, time.Now(), h, mustWriter(t, ev.Source))
+		tip, ok := tipOf(7, ev.Subject, time.Now(), h, mustWriter(t, ev.Origin))
 		if !ok || tip.Routing != routing || !tip.TxLast || tip.AggregateType != ev.AggregateType || tip.AggregateID != ev.AggregateID || tip.EventType != ev.EventType {
 			t.Errorf("tip %+v (ok %v), want routing %q, Tx-Last and the event's fields", tip, ok, routing)
 		}

@@ -190,11 +190,11 @@ func (r *repairer) run(ctx context.Context) (int, error) {
 	}
 
 	st := &repairState{total: total, started: time.Now()}
-	rcfg := repair.Config{Decoder: cfg.Replication.Decoder, Columns: rep.Columns(), Source: rep.Source, Position: rep.ConsistentPoint - 1,
+	rcfg := repair.Config{Decoder: cfg.Replication.Decoder, Columns: rep.Columns(), Origin: rep.Origin, Position: rep.ConsistentPoint - 1,
 		SinceHeader: rg.Header, Stored: ids, Skew: r.margin, Atomic: cfg.Sink.AtomicTransactions, Ordered: cfg.Sink.ExactlyOnce || cfg.Sink.OrderGuard,
 		MaxInFlight: cfg.Replication.MaxInFlight, MaxInFlightBytes: cfg.Replication.MaxInFlightBytes,
 		CloseTimeout: cfg.Sink.PublishTimeout + 10*time.Second, Log: r.log}
-	stream := repairStream{p: pub, source: rep.Source}
+	stream := repairStream{p: pub, source: rep.Origin}
 	stopProgress := r.startProgress(st)
 	err = repair.Run(ctx, stream, func(ctx context.Context, fn func(repair.Row) error) error {
 		return rep.Rows(ctx, since, func(values [][]byte, key, inserted time.Time) error {
@@ -205,7 +205,7 @@ func (r *repairer) run(ctx context.Context) (int, error) {
 	if err != nil {
 		return exitFailure, r.stopError(err)
 	}
-	lastPos := repair.Position{Source: last.Source, CommitLSN: last.CommitLSN, TxIndex: last.TxIndex}
+	lastPos := repair.Position{Origin: last.Origin, CommitLSN: last.CommitLSN, TxIndex: last.TxIndex}
 	if st.Published.Load() == 0 && repair.NeedsBaseline(lastPos, hasLast, rcfg) {
 		// Nothing was missing, but the stream's last message belongs to a
 		// history the new slot does not continue (a restore, a failover):
@@ -352,5 +352,5 @@ func (s repairStream) Last(ctx context.Context) (repair.Position, bool, error) {
 		return repair.Position{}, false, nil
 	}
 	t, ok, err := s.p.Tip(ctx, o.Writer())
-	return repair.Position{Source: t.Source, CommitLSN: t.CommitLSN, TxIndex: t.TxIndex}, ok, err
+	return repair.Position{Origin: t.Origin, CommitLSN: t.CommitLSN, TxIndex: t.TxIndex}, ok, err
 }

@@ -251,7 +251,7 @@ type sinkAdapter struct {
 // Tip reads the stream's last jetbox message (see replication.TipSource).
 func (a sinkAdapter) Tip(ctx context.Context, writer string) (replication.StreamTip, bool, error) {
 	t, ok, err := a.p.Tip(ctx, writer)
-	return replication.StreamTip{Seq: t.Seq, Source: t.Source, CommitLSN: t.CommitLSN, TxIndex: t.TxIndex, ID: t.ID, RowID: t.RowID,
+	return replication.StreamTip{Seq: t.Seq, Origin: t.Origin, CommitLSN: t.CommitLSN, TxIndex: t.TxIndex, ID: t.ID, RowID: t.RowID,
 		CommitTime: t.CommitTime, Scheme: t.Scheme, Routing: t.Routing, TxLast: t.TxLast,
 		AggregateType: t.AggregateType, AggregateID: t.AggregateID, EventType: t.EventType,
 		Stored: t.Stored, RepairSince: t.RepairSince, Subject: t.Subject}, ok, err
@@ -260,7 +260,7 @@ func (a sinkAdapter) Tip(ctx context.Context, writer string) (replication.Stream
 // Forget abandons the positions of an accepted lost history; the slot's
 // replay of it from from is checked message by message (sink.ForgetHistory).
 func (a sinkAdapter) Forget(t replication.StreamTip, from pglogrepl.LSN) {
-	a.p.ForgetHistory(t.Seq, t.Source, format.Position{CommitLSN: uint64(from)})
+	a.p.ForgetHistory(t.Seq, t.Origin, format.Position{CommitLSN: uint64(from)})
 }
 
 func (a sinkAdapter) Open(ctx context.Context, source string) (replication.Session, error) {

@@ -110,7 +110,7 @@ const BaselineSubjectToken = "_jetbox.repair"
 // (a restore, a failover) or sorts at or after the repair's position, and
 // jetbox run resumes after the stream's last message.
 func NeedsBaseline(last Position, hasLast bool, cfg Config) bool {
-	return hasLast && (last.Source != cfg.Source || last.CommitLSN >= cfg.Position)
+	return hasLast && (last.Origin != cfg.Origin || last.CommitLSN >= cfg.Position)
 }
 
 // Baseline is the baseline marker: a jetbox message (not an outbox row) on
@@ -120,13 +120,13 @@ func NeedsBaseline(last Position, hasLast bool, cfg Config) bool {
 func Baseline(cfg Config, prefix string, skipped int64) (decoder.Event, error) {
 	cp := cfg.Position + 1
 	payload, err := json.Marshal(map[string]any{"jetbox": "repair-baseline", "consistent_point": cp.String(),
-		"source": cfg.Source, "rows_already_in_stream": skipped})
+		"source": cfg.Origin, "rows_already_in_stream": skipped})
 	if err != nil {
 		return decoder.Event{}, err
 	}
-	ev := decoder.Event{ID: fmt.Sprintf("jetbox-repair-%s-%s", cfg.Source, cp), Subject: prefix + "." + BaselineSubjectToken,
-		AggregateType: "jetbox", AggregateID: cfg.Source, EventType: "RepairBaseline", Payload: payload,
-		CommitLSN: cfg.Position, CommitTime: time.Now().UTC(), Source: cfg.Source,
+	ev := decoder.Event{ID: fmt.Sprintf("jetbox-repair-%s-%s", cfg.Origin, cp), Subject: prefix + "." + BaselineSubjectToken,
+		AggregateType: "jetbox", AggregateID: cfg.Origin, EventType: "RepairBaseline", Payload: payload,
+		CommitLSN: cfg.Position, CommitTime: time.Now().UTC(), Origin: cfg.Origin,
 		Headers: []decoder.Header{{Key: HeaderRepaired, Value: "true"}, {Key: HeaderRepairSince, Value: cfg.SinceHeader}}}
 	if cfg.Atomic {
 		ev.Headers = append(ev.Headers, decoder.Header{Key: HeaderTxLast, Value: "true"})

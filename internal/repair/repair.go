@@ -60,7 +60,7 @@ type Stream interface {
 
 // Position is where a stored message sits in its writer's history.
 type Position struct {
-	Source    string // Jetbox-Source
+	Origin    string // Jetbox-Source
 	CommitLSN pglogrepl.LSN
 	TxIndex   int
 }
@@ -82,9 +82,9 @@ type Scan func(ctx context.Context, fn func(Row) error) error
 type Config struct {
 	Decoder decoder.Config // the run's, dead-letter subject included
 	Columns []decoder.TableColumn
-	// Source is the new slot's Jetbox-Source; Position is the commit LSN of
+	// Origin is the new slot's Jetbox-Source; Position is the commit LSN of
 	// every repaired row: the slot's consistent point - 1.
-	Source   string
+	Origin   string
 	Position pglogrepl.LSN
 	// SinceHeader is the Jetbox-Repair-Since of every message (Range.Header).
 	SinceHeader string
@@ -206,7 +206,7 @@ func (r *runner) stamp(ev *decoder.Event) {
 		r.cfg.Log.Warn().Str("event_id", ev.DeadLetter.ID).Str("reason", ev.DeadLetter.Code).Str("dead_letter_subject", ev.Subject).
 			Str("error", ev.DeadLetter.Error()).Msg("outbox row cannot be published: sending a dead letter instead")
 	}
-	ev.Source = r.cfg.Source
+	ev.Origin = r.cfg.Origin
 	ev.Headers = append(ev.Headers, decoder.Header{Key: HeaderRepaired, Value: "true"}, decoder.Header{Key: HeaderRepairSince, Value: r.cfg.SinceHeader})
 	if r.cfg.Atomic {
 		// Each repaired row stands alone: a consumer that buffers until a
@@ -351,7 +351,7 @@ func (r *runner) storedThrough(ctx context.Context) (int, error) {
 		return -1, nil
 	}
 	pos, ok, err := r.st.Last(ctx)
-	if err != nil || !ok || pos.Source != r.cfg.Source || pos.CommitLSN != r.cfg.Position {
+	if err != nil || !ok || pos.Origin != r.cfg.Origin || pos.CommitLSN != r.cfg.Position {
 		return -1, err
 	}
 	if pos.TxIndex >= 0 {

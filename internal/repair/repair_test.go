@@ -99,7 +99,7 @@ func (s *fakeSession) Publish(ev *decoder.Event, done func(error)) error {
 	if v != store && v != storeLost {
 		s.broken = true
 	}
-	pos := Position{Source: ev.Source, CommitLSN: ev.CommitLSN, TxIndex: ev.TxIndex}
+	pos := Position{Origin: ev.Origin, CommitLSN: ev.CommitLSN, TxIndex: ev.TxIndex}
 	if v == store || v == storeLost {
 		f.stored = append(f.stored, stored{id: ev.ID, subject: ev.Subject, pos: pos})
 	}
@@ -156,7 +156,7 @@ const position = pglogrepl.LSN(0x5000000 - 1)
 func testConfig(t *testing.T) Config {
 	t.Cleanup(func() { goleak.VerifyNone(t) })
 	return Config{Decoder: decoder.Config{Schema: "public", Table: "outbox", Columns: decoder.DefaultColumns, SubjectPrefix: "outbox"},
-		Columns: cols, Source: "42/1/app/jetbox", Position: position, SinceHeader: "all", Ordered: true,
+		Columns: cols, Origin: "42/1/app/jetbox", Position: position, SinceHeader: "all", Ordered: true,
 		MaxInFlight: 4, MaxBackoff: time.Millisecond, CloseTimeout: 5 * time.Second, Log: zerolog.Nop()}
 }
 
@@ -181,7 +181,7 @@ func TestRunPublishesWhatTheStreamLacks(t *testing.T) {
 		t.Fatalf("stored %v, want %v", got, want)
 	}
 	for i, s := range st.stored {
-		if s.pos != (Position{Source: cfg.Source, CommitLSN: position, TxIndex: i}) {
+		if s.pos != (Position{Origin: cfg.Origin, CommitLSN: position, TxIndex: i}) {
 			t.Fatalf("row %s at %+v, want (%s, %d)", s.id, s.pos, position, i)
 		}
 	}
@@ -475,11 +475,11 @@ func TestPlanRange(t *testing.T) {
 func TestBaseline(t *testing.T) {
 	cfg := testConfig(t)
 	cfg.Atomic = true
-	if NeedsBaseline(Position{Source: cfg.Source, CommitLSN: position - 0x100}, true, cfg) || NeedsBaseline(Position{}, false, cfg) {
+	if NeedsBaseline(Position{Origin: cfg.Origin, CommitLSN: position - 0x100}, true, cfg) || NeedsBaseline(Position{}, false, cfg) {
 		t.Fatal("no baseline after an older position of the same history, or on an empty stream")
 	}
-	if !NeedsBaseline(Position{Source: "42/1/app/jetbox", CommitLSN: position + 0x100}, true, cfg) ||
-		!NeedsBaseline(Position{Source: "42/2/app/jetbox", CommitLSN: 1}, true, cfg) {
+	if !NeedsBaseline(Position{Origin: "42/1/app/jetbox", CommitLSN: position + 0x100}, true, cfg) ||
+		!NeedsBaseline(Position{Origin: "42/2/app/jetbox", CommitLSN: 1}, true, cfg) {
 		t.Fatal("a baseline after a position at or past the repair's, or of another history")
 	}
 	ev, err := Baseline(cfg, "outbox", 3)
