@@ -4,10 +4,12 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"os"
 	"os/exec"
 	"slices"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -21,6 +23,8 @@ import (
 type auditResult struct {
 	code           int
 	stdout, stderr string
+	elapsed        time.Duration
+	maxRSS         int64 // bytes
 }
 
 // audit runs jetbox audit to its end; extra env entries override.
@@ -32,14 +36,20 @@ func (f *fixture) audit(extra ...string) auditResult {
 	cmd.Env = append(append(append(os.Environ(), "JETBOX_POSTGRES_URL="+f.pgURL, "JETBOX_NATS_URL="+f.natURL, "JETBOX_AUDIT_GRACE=0s"), f.env...), extra...)
 	var out, errb bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &errb
+	began := time.Now()
 	err := cmd.Run()
+	elapsed := time.Since(began)
 	code := 0
 	if ee, ok := err.(*exec.ExitError); ok {
 		code = ee.ExitCode()
 	} else if err != nil {
 		f.t.Fatalf("jetbox audit: %v", err)
 	}
-	return auditResult{code, out.String(), errb.String()}
+	var rss int64
+	if ru, ok := cmd.ProcessState.SysUsage().(*syscall.Rusage); ok {
+		rss = ru.Maxrss * 1024 // kB on Linux
+	}
+	return auditResult{code, out.String(), errb.String(), elapsed, rss}
 }
 
 // auditJSON runs jetbox audit --json and parses its report.
@@ -188,4 +198,31 @@ func TestAuditConfig(t *testing.T) {
 	if t.Failed() {
 		t.Log(errb.String())
 	}
+}
+
+// TestAuditRate measures jetbox audit on JETBOX_AUDIT_ROWS rows (skipped
+// when unset; docs/performance.md has the figure for 100,000): rows
+// streamed by jetbox run, then one audit, its rate and peak RSS.
+func TestAuditRate(t *testing.T) {
+	testenv.SkipIfShort(t)
+	n := envInt("JETBOX_AUDIT_ROWS", 0)
+	if n == 0 {
+		t.Skip("set JETBOX_AUDIT_ROWS")
+	}
+	f := newFixture(t)
+	p := f.start("JETBOX_LOG_LEVEL=info")
+	f.waitStreaming(p)
+	for done := 0; done < n; done += 10_000 {
+		f.pg.Exec(t, `INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+			SELECT 'order', 'o-' || g, 'OrderCreated', jsonb_build_object('n', g) FROM generate_series(1, $1) g`, min(10_000, n-done))
+	}
+	f.waitCount(n, 10*time.Minute)
+	if code := p.stop(); code != 0 {
+		t.Fatalf("jetbox run exited with %d", code)
+	}
+	r := f.audit()
+	if r.code != 0 || !strings.Contains(r.stdout, fmt.Sprintf("rows:           %d\n", n)) {
+		t.Fatalf("jetbox audit exited with %d, want 0 with %d rows:\n%s\n%s", r.code, n, r.stdout, r.stderr)
+	}
+	t.Logf("audit of %d rows: %s, %.0f rows/s, peak RSS %.1f MiB", n, r.elapsed.Round(time.Millisecond), float64(n)/r.elapsed.Seconds(), float64(r.maxRSS)/(1<<20))
 }
