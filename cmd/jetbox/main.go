@@ -3,6 +3,7 @@
 //	jetbox run       stream outbox inserts from the WAL to JetStream
 //	jetbox check     check both sides, report every problem at once
 //	jetbox repair    make the stream whole from the outbox table (lost slot, backfill)
+//	jetbox audit     compare a range of the outbox table with the stream
 //	jetbox status    the slot, the publication, the stream and the lag
 //	jetbox demo      see it work on a throwaway Postgres and an embedded NATS
 //	jetbox healthcheck  exit 0 if a local jetbox answers /healthz
@@ -37,6 +38,7 @@ type cli struct {
 	Run         RunFlags         `cmd:"" help:"Forward outbox inserts from the WAL to JetStream."`
 	Check       checkCmd         `cmd:"" help:"Check both sides and report every problem at once, with fixes (changes nothing)."`
 	Repair      repairCmd        `cmd:"" help:"Make the stream whole from the outbox table after a lost slot or on a first deployment (new slot, exported snapshot)."`
+	Audit       auditCmd         `cmd:"" help:"Compare a range of the outbox table with the stream: missing, duplicated, out of order (exit 0 complete, 1 found, 2 cannot judge); changes nothing."`
 	Status      statusCmd        `cmd:"" help:"One screen: the slot, the publication, the stream and the lag."`
 	Demo        demoCmd          `cmd:"" help:"See it work: a throwaway Postgres and an embedded NATS, the forwarder, sample orders, live."`
 	Healthcheck healthcheckCmd   `cmd:"" help:"Exit 0 if a local jetbox answers /healthz (for container health checks)."`
@@ -76,6 +78,10 @@ func realMain(args []string, stdout, stderr io.Writer) int {
 		ctx, stop := signalContext()
 		defer stop()
 		return c.Repair.run(ctx, stdout, stderr)
+	case "audit":
+		ctx, stop := signalContext()
+		defer stop()
+		return c.Audit.run(ctx, stdout, stderr)
 	case "status":
 		ctx, stop := signalContext()
 		defer stop()

@@ -1,0 +1,446 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jetbox-dev/jetbox/internal/audit"
+	"github.com/jetbox-dev/jetbox/internal/natsembed"
+	"github.com/jetbox-dev/jetbox/replication"
+	"github.com/jetbox-dev/jetbox/sink/format"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// Exit code of an audit that found a defect; exitConfig when the range
+// cannot be judged.
+const exitFound = 1
+
+// auditCmd is `jetbox audit`: compare a range of the outbox table with the
+// stream, once (see "Proving the stream complete" in docs/operations.md).
+type auditCmd struct {
+	RunFlags
+	Since           string `name:"since" env:"JETBOX_AUDIT_SINCE" help:"Audit rows from this time on: RFC 3339, or a duration back from now (24h). Default: the oldest row the table holds." placeholder:"TIME"`
+	Until           string `name:"until" env:"JETBOX_AUDIT_UNTIL" help:"Audit rows up to this time: RFC 3339, or a duration back from now. Default: now minus --grace." placeholder:"TIME"`
+	Grace           string `name:"grace" env:"JETBOX_AUDIT_GRACE" default:"1m" help:"With the default --until: leave out the rows of the last grace, which jetbox run may not have published yet."`
+	Margin          string `name:"margin" env:"JETBOX_AUDIT_MARGIN" default:"10m" help:"The longest transaction plus the clock skew between Postgres and NATS: how far before --since the stream is read, and how long after its order key a row's message may commit."`
+	CreatedAtColumn string `name:"created-at-column" env:"JETBOX_CREATED_AT_COLUMN" default:"created_at" help:"Insert-time column (timestamptz) ordering the rows when track_commit_timestamp is off."`
+	JSON            bool   `name:"json" env:"JETBOX_AUDIT_JSON" help:"Print the report as JSON on stdout."`
+	Strict          bool   `name:"strict" env:"JETBOX_AUDIT_STRICT" help:"Count stream messages whose id the table does not hold as a defect (exit 1): for an outbox that no job deletes from, and no other writer."`
+	PageSize        string `name:"page-size" env:"JETBOX_AUDIT_PAGE_SIZE" default:"10000" help:"Rows read per query."`
+	Progress        string `name:"progress-interval" env:"JETBOX_AUDIT_PROGRESS_INTERVAL" default:"5s" help:"How often to print progress (rows and messages read) on stderr."`
+}
+
+// auditSettings are an audit's validated flags.
+type auditSettings struct {
+	cfg                  Config
+	since, until         time.Time // zero since: the oldest row
+	margin, progress     time.Duration
+	pageSize             int
+	json, strict         bool
+	createdAt, sinceText string
+}
+
+// undecided is a range the audit cannot judge: why, and what to do.
+type undecided struct{ reason, fix string }
+
+func (u *undecided) Error() string { return u.reason + "; fix: " + u.fix }
+
+func (c *auditCmd) settings(now time.Time) (auditSettings, error) {
+	cfg, err := c.RunFlags.Config()
+	var errs []error
+	if j, ok := err.(interface{ Unwrap() []error }); ok {
+		errs = append(errs, j.Unwrap()...)
+	} else if err != nil {
+		errs = append(errs, err)
+	}
+	s := auditSettings{cfg: cfg, json: c.JSON, strict: c.Strict, createdAt: c.CreatedAtColumn, sinceText: c.Since}
+	bad := func(flag, value, problem, hint string) {
+		errs = append(errs, &ConfigError{Flag: flag, Env: "JETBOX_AUDIT_" + strings.ToUpper(strings.ReplaceAll(flag, "-", "_")), Value: value, Problem: problem, Hint: hint})
+	}
+	dur := func(flag, v string, positive bool) time.Duration {
+		d, err := time.ParseDuration(v)
+		if err != nil || d < 0 || (positive && d == 0) {
+			bad(flag, v, "not a duration ≥ 0 (or > 0)", "use e.g. 1m")
+		}
+		return d
+	}
+	grace := dur("grace", c.Grace, false)
+	s.margin = dur("margin", c.Margin, false)
+	s.progress = dur("progress-interval", c.Progress, true)
+	if n, err := strconv.Atoi(c.PageSize); err != nil || n < 1 || n > 1_000_000 {
+		bad("page-size", c.PageSize, "not a number of rows between 1 and 1000000", "use e.g. 10000")
+	} else {
+		s.pageSize = n
+	}
+	point := func(flag, v string) time.Time {
+		if t, err := time.Parse(time.RFC3339Nano, v); err == nil {
+			return t.UTC()
+		}
+		if d, err := time.ParseDuration(v); err == nil && d >= 0 {
+			return now.Add(-d).UTC()
+		}
+		bad(flag, v, "neither an RFC 3339 time nor a duration back from now", "use e.g. 2026-05-01T12:00:00Z or 24h")
+		return time.Time{}
+	}
+	if c.Since != "" {
+		s.since = point("since", c.Since)
+	}
+	s.until = now.Add(-grace).UTC()
+	if c.Until != "" {
+		s.until = point("until", c.Until)
+	}
+	if !s.since.IsZero() && !s.until.IsZero() && s.until.Before(s.since) {
+		bad("until", s.until.Format(time.RFC3339Nano), "before --since ("+s.since.Format(time.RFC3339Nano)+")", "give a range whose end follows its start")
+	}
+	if cfg.Replication.Slot != "" && cfg.Replication.Decoder.Table == "" {
+		errs = append(errs, &ConfigError{Flag: "source", Env: "JETBOX_SOURCE", Value: c.Source,
+			Problem: "audit compares the outbox table's rows with the stream, and --source=messages has no table: nothing to compare against",
+			Hint:    "audit a table source; for messages, count the producers' events against the stream yourself"})
+	}
+	return s, errors.Join(errs...)
+}
+
+func (c *auditCmd) run(ctx context.Context, stdout, stderr io.Writer) int {
+	s, err := c.settings(time.Now())
+	if err != nil {
+		printProblems(stderr, "configuration", err)
+		return exitConfig
+	}
+	a := &auditor{s: s, stdout: stdout, stderr: stderr}
+	code, err := a.run(ctx)
+	var u *undecided
+	switch {
+	case errors.As(err, &u):
+		fmt.Fprintf(stderr, "jetbox audit: cannot judge the range: %s\n  fix: %s\n", u.reason, u.fix)
+		if s.json {
+			_ = json.NewEncoder(stdout).Encode(map[string]string{"result": "undecided", "reason": u.reason, "fix": u.fix})
+		}
+		return exitConfig
+	case err != nil && ctx.Err() != nil:
+		fmt.Fprintln(stderr, "jetbox audit: interrupted (it changes nothing: run it again)")
+		return exitFailure
+	case err != nil:
+		fmt.Fprintln(stderr, "jetbox audit:", redact(err.Error()))
+	}
+	return code
+}
+
+// auditor is one audit run.
+type auditor struct {
+	s              auditSettings
+	stdout, stderr io.Writer
+	rows, msgs     atomic.Int64
+	started        time.Time
+}
+
+// streamRange is what the stream holds at the audit's start.
+type streamRange struct {
+	first, last uint64
+	firstTime   time.Time
+	msgs        uint64
+	cfg         jetstream.StreamConfig
+}
+
+func (a *auditor) run(ctx context.Context) (int, error) {
+	cfg := a.s.cfg
+	if cfg.NatsURL == "embedded" {
+		srv, err := startEmbeddedNATS(cfg)
+		if err != nil {
+			return exitConfig, err
+		}
+		defer natsembed.Stop(srv)
+		cfg.NatsURL = srv.ClientURL()
+	}
+	log := newLogger(cfg, a.stderr).With().Str("command", "audit").Logger()
+	nc, err := connectNATS(cfg, log, func(error) {})
+	if err != nil {
+		return exitConfig, fmt.Errorf("connect to NATS %s: %w; fix: check --nats-url and the credentials (jetbox check)", redact(cfg.NatsURL), err)
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return exitFailure, err
+	}
+	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	st, err := js.Stream(sctx, cfg.Sink.Stream)
+	if errors.Is(err, jetstream.ErrStreamNotFound) {
+		return exitConfig, &undecided{fmt.Sprintf("stream %q does not exist", cfg.Sink.Stream), "check --stream (jetbox run creates it)"}
+	}
+	if err != nil {
+		return exitFailure, fmt.Errorf("look up stream %q: %w", cfg.Sink.Stream, err)
+	}
+	info := st.CachedInfo()
+	sr := streamRange{first: info.State.FirstSeq, last: info.State.LastSeq, firstTime: info.State.FirstTime, msgs: info.State.Msgs, cfg: info.Config}
+
+	tbl, err := replication.OpenAuditTable(ctx, cfg.PostgresURL, cfg.Replication, a.s.createdAt, a.s.margin)
+	if err != nil {
+		if errors.Is(err, replication.ErrRepairRefused) {
+			return exitConfig, err
+		}
+		return exitFailure, err
+	}
+	defer tbl.Close(context.WithoutCancel(ctx))
+	since := a.s.since
+	if since.IsZero() {
+		oldest, ok, err := tbl.Oldest(ctx)
+		if err != nil {
+			return exitFailure, err
+		}
+		if !ok {
+			return exitConfig, &undecided{fmt.Sprintf("table %s holds no row: nothing to compare the stream with", cfg.Replication.Decoder.Schema+"."+cfg.Replication.Decoder.Table),
+				"audit once rows are committed (a job deleting published rows leaves nothing to audit before it ran)"}
+		}
+		since = oldest
+	}
+	if a.s.until.Before(since) {
+		return exitConfig, &undecided{fmt.Sprintf("the range is empty: the oldest row's key %s is after --until %s", since.Format(time.RFC3339Nano), a.s.until.Format(time.RFC3339Nano)),
+			"give an --until after the rows' times, or wait out --grace"}
+	}
+	if err := judgeable(sr, since, a.s.margin); err != nil {
+		return exitConfig, err
+	}
+
+	acfg := audit.Config{Since: since, Until: a.s.until, Margin: a.s.margin, ExactlyOnce: cfg.Sink.ExactlyOnce, First: 10}
+	aud := audit.New(acfg, a.rowFunc(tbl, since), tbl.Lookup)
+	a.started = time.Now()
+	stop := a.startProgress()
+	err = a.readStream(ctx, st, sr, since, aud)
+	var rep audit.Report
+	if err == nil {
+		rep, err = aud.Finish(ctx)
+	}
+	stop()
+	if err != nil {
+		return exitFailure, err
+	}
+	return a.report(rep, since, tbl.Order, sr)
+}
+
+// judgeable refuses a range whose start the stream no longer holds: its
+// first messages were removed (limits, a purge) after the range's start,
+// so rows of the range may have had messages that are gone.
+func judgeable(sr streamRange, since time.Time, margin time.Duration) error {
+	if sr.first <= 1 {
+		return nil // nothing removed from the stream's start
+	}
+	removed := sr.first - 1
+	if sr.msgs > 0 && !sr.firstTime.After(since.Add(-margin)) {
+		return nil // the stream starts before the range (and its margin)
+	}
+	var limits []string
+	if sr.cfg.MaxAge > 0 {
+		limits = append(limits, "max_age "+sr.cfg.MaxAge.String())
+	}
+	if sr.cfg.MaxMsgs > 0 {
+		limits = append(limits, fmt.Sprintf("max_msgs %d", sr.cfg.MaxMsgs))
+	}
+	if sr.cfg.MaxBytes > 0 {
+		limits = append(limits, fmt.Sprintf("max_bytes %d", sr.cfg.MaxBytes))
+	}
+	if sr.cfg.MaxMsgsPerSubject > 0 {
+		limits = append(limits, fmt.Sprintf("max_msgs_per_subject %d", sr.cfg.MaxMsgsPerSubject))
+	}
+	if sr.cfg.Retention != jetstream.LimitsPolicy {
+		limits = append(limits, "retention "+sr.cfg.Retention.String())
+	}
+	why := "the stream has no limit, so a purge or a delete removed them"
+	if len(limits) > 0 {
+		why = "the stream's " + strings.Join(limits, ", ") + " (or a purge) removed them"
+	}
+	start := "holds no message"
+	fix := "audit a range that the stream still holds"
+	if sr.msgs > 0 {
+		start = fmt.Sprintf("starts at seq %d, stored %s", sr.first, sr.firstTime.UTC().Format(time.RFC3339Nano))
+		fix = fmt.Sprintf("audit from after the stream's start: --since %s (its first message's stored time plus --margin)", sr.firstTime.Add(margin).UTC().Format(time.RFC3339))
+	}
+	return &undecided{fmt.Sprintf("the range starts at %s but the stream %s: the messages before seq %d are gone (%s), and the rows they carried would count as missing",
+		since.Format(time.RFC3339Nano), start, removed+1, why), fix}
+}
+
+// rowFunc reads the range's rows in keyset pages.
+func (a *auditor) rowFunc(tbl *replication.AuditTable, since time.Time) audit.RowFunc {
+	var page []replication.AuditRow
+	i, first, done := 0, true, false
+	var lastKey time.Time
+	var lastID string
+	return func(ctx context.Context) (audit.Row, bool, error) {
+		if i == len(page) {
+			if done {
+				return audit.Row{}, false, nil
+			}
+			p, err := tbl.Page(ctx, since, a.s.until, first, lastKey, lastID, a.s.pageSize)
+			if err != nil {
+				return audit.Row{}, false, err
+			}
+			page, i, first = p, 0, false
+			done = len(p) < a.s.pageSize
+			if len(p) == 0 {
+				return audit.Row{}, false, nil
+			}
+			lastKey, lastID = p[len(p)-1].Key, p[len(p)-1].ID
+		}
+		r := page[i]
+		i++
+		a.rows.Add(1)
+		return audit.Row{ID: r.ID, Key: r.Key}, true, nil
+	}
+}
+
+// readStream gives the auditor the stream's messages (headers only) from
+// the first stored at since minus the margin, up to the first whose commit
+// time is past the range's end plus the margin, or the stream's last
+// message at the audit's start (or the last there is, when the last ones
+// were deleted).
+func (a *auditor) readStream(ctx context.Context, st jetstream.Stream, sr streamRange, since time.Time, aud *audit.Auditor) error {
+	if sr.msgs == 0 {
+		return nil
+	}
+	start := since.Add(-a.s.margin)
+	cons, err := st.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{HeadersOnly: true, DeliverPolicy: jetstream.DeliverByStartTimePolicy, OptStartTime: &start})
+	if err != nil {
+		return fmt.Errorf("read stream %q: %w", a.s.cfg.Sink.Stream, err)
+	}
+	if ci := cons.CachedInfo(); ci != nil && ci.NumPending == 0 {
+		return nil // no message stored at or after the start
+	}
+	it, err := cons.Messages(jetstream.PullMaxMessages(4096))
+	if err != nil {
+		return fmt.Errorf("read stream %q: %w", a.s.cfg.Sink.Stream, err)
+	}
+	defer it.Stop()
+	end := a.s.until.Add(a.s.margin)
+	for {
+		m, err := it.Next(jetstream.NextContext(ctx))
+		if err != nil {
+			return fmt.Errorf("read stream %q (%d messages read): %w", a.s.cfg.Sink.Stream, a.msgs.Load(), err)
+		}
+		md, err := m.Metadata()
+		if err != nil {
+			return fmt.Errorf("read stream %q: %w", a.s.cfg.Sink.Stream, err)
+		}
+		msg := auditMsg(m.Headers(), md.Sequence.Stream, md.Timestamp)
+		a.msgs.Add(1)
+		if msg.Time.After(end) {
+			return nil
+		}
+		if err := aud.Msg(ctx, msg); err != nil {
+			return err
+		}
+		if md.Sequence.Stream >= sr.last || md.NumPending == 0 {
+			return nil
+		}
+	}
+}
+
+// auditMsg maps a message's headers to what the audit compares.
+func auditMsg(h nats.Header, seq uint64, stored time.Time) audit.Msg {
+	get := h.Get
+	m := audit.Msg{Seq: seq, ID: get(jetstream.MsgIDHeader), RowID: get(format.HeaderRowID), Stored: stored.UTC(), Time: stored.UTC()}
+	if t, err := time.Parse(time.RFC3339Nano, get(format.HeaderCommitTime)); err == nil && t.Year() > 1 {
+		m.Time = t.UTC()
+	}
+	lsn, err1 := pglogrepl.ParseLSN(get(format.HeaderCommitLSN))
+	idx, err2 := strconv.Atoi(get(format.HeaderTxIndex))
+	if src := get(format.HeaderSource); src != "" && err1 == nil && err2 == nil {
+		m.Writer = src
+		if o, ok := format.ParseOrigin(src); ok {
+			m.Writer = o.Writer()
+		}
+		m.LSN, m.Index = uint64(lsn), idx
+	}
+	return m
+}
+
+// startProgress prints the rows and messages read on stderr every
+// progress interval.
+func (a *auditor) startProgress() func() {
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		tick := time.NewTicker(a.s.progress)
+		defer tick.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-tick.C:
+			}
+			el := time.Since(a.started).Seconds()
+			fmt.Fprintf(a.stderr, "jetbox audit: %d rows and %d messages read, %.0f rows/s\n", a.rows.Load(), a.msgs.Load(), float64(a.rows.Load())/el)
+		}
+	}()
+	return func() { close(done); wg.Wait() }
+}
+
+// auditJSON is the --json output: the report and its range.
+type auditJSON struct {
+	Result string    `json:"result"` // complete or defects
+	Since  time.Time `json:"since"`
+	Until  time.Time `json:"until"`
+	Order  string    `json:"order"`
+	Stream string    `json:"stream"`
+	audit.Report
+}
+
+// report prints the result and returns the exit code.
+func (a *auditor) report(rep audit.Report, since time.Time, order string, sr streamRange) (int, error) {
+	found := rep.Found(a.s.strict)
+	code, result := exitOK, "complete"
+	if found {
+		code, result = exitFound, "defects"
+	}
+	if a.s.json {
+		enc := json.NewEncoder(a.stdout)
+		enc.SetIndent("", "  ")
+		return code, enc.Encode(auditJSON{Result: result, Since: since, Until: a.s.until, Order: order, Stream: a.s.cfg.Sink.Stream, Report: rep})
+	}
+	w := a.stdout
+	el := time.Since(a.started)
+	fmt.Fprintf(w, "range:          %s to %s (order: %s)\n", since.Format(time.RFC3339Nano), a.s.until.Format(time.RFC3339Nano), order)
+	fmt.Fprintf(w, "rows:           %d\n", rep.Rows)
+	fmt.Fprintf(w, "messages:       %d in the range (stream %s, seq %d to %d)\n", rep.Messages, a.s.cfg.Sink.Stream, sr.first, sr.last)
+	kind := func(name string, k audit.Kind, defect bool) {
+		note := ""
+		if !defect && k.Count > 0 {
+			note = " (not a defect)"
+		}
+		fmt.Fprintf(w, "%-15s %d%s\n", name+":", k.Count, note)
+		for _, e := range k.First {
+			s := "  " + e.ID + " at " + e.Time.UTC().Format(time.RFC3339Nano)
+			if e.Seq > 0 {
+				s += fmt.Sprintf(" (seq %d)", e.Seq)
+			}
+			fmt.Fprintln(w, s)
+		}
+		if k.Count > int64(len(k.First)) && len(k.First) > 0 {
+			fmt.Fprintf(w, "  ... %d more\n", k.Count-int64(len(k.First)))
+		}
+	}
+	kind("missing", rep.Missing, true)
+	kind("dead-lettered", rep.DeadLettered, false)
+	kind("duplicated", rep.Duplicated, true)
+	kind("out of order", rep.OutOfOrder, true)
+	kind("not in table", rep.NotInTable, a.s.strict)
+	if rep.Truncated {
+		fmt.Fprintln(w, "note:           more rows were missing at once than the audit holds: some counted missing may be in the stream later")
+	}
+	if rep.Missing.Count > 0 && len(rep.Missing.First) > 0 {
+		fmt.Fprintf(w, "repair:         jetbox repair --since %s   # re-publishes the missing rows (stop jetbox run first; see \"Repair and backfill\" in docs/operations.md)\n",
+			rep.Missing.First[0].Time.UTC().Format(time.RFC3339Nano))
+	}
+	fmt.Fprintf(w, "result:         %s (%d rows, %d messages in %s)\n", result, rep.Rows, rep.Messages, el.Round(time.Millisecond))
+	return code, nil
+}

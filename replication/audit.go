@@ -1,0 +1,168 @@
+package replication
+
+import (
+	"context"
+	"fmt"
+	"regexp"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// AuditTable reads the outbox rows' ids and order keys for jetbox audit: the
+// order key of jetbox repair (the commit timestamp with
+// track_commit_timestamp on, else the created-at column), read in keyset
+// pages on a connection of its own, each page a short statement (no long
+// transaction holds back vacuum).
+type AuditTable struct {
+	conn *pgx.Conn
+	// CommitTimestamps: rows are keyed by their commit timestamp.
+	CommitTimestamps bool
+	// Order describes the row order, e.g. "created_at, then id".
+	Order string
+
+	key, createdAt, id, table string
+	uuid                      bool
+	margin                    time.Duration
+}
+
+// AuditRow is one row: its id (text) and order key.
+type AuditRow struct {
+	ID  string
+	Key time.Time
+}
+
+const uuidOID = 2950
+
+// OpenAuditTable connects to Postgres and picks the order key as jetbox
+// repair does (see OpenRepair); margin is the longest transaction, which
+// bounds how long before its commit timestamp a row's created-at time may
+// be.
+func OpenAuditTable(ctx context.Context, connString string, cfg Config, createdAtColumn string, margin time.Duration) (*AuditTable, error) {
+	pcfg, err := pgx.ParseConfig(connString)
+	if err != nil {
+		return nil, fmt.Errorf("parse postgres URL: %w", err)
+	}
+	for k, v := range pinnedParams {
+		pcfg.RuntimeParams[k] = v
+	}
+	pcfg.RuntimeParams["application_name"] = "jetbox audit"
+	conn, err := pgx.ConnectConfig(ctx, pcfg)
+	if err != nil {
+		return nil, fmt.Errorf("connect to postgres: %w", err)
+	}
+	r := &Repair{cfg: cfg, conn: conn}
+	if err := conn.QueryRow(ctx, `SELECT current_setting('track_commit_timestamp')::bool`).Scan(&r.CommitTimestamps); err != nil {
+		conn.Close(ctx)
+		return nil, fmt.Errorf("read track_commit_timestamp: %w", err)
+	}
+	if err := r.columns(ctx, createdAtColumn); err != nil {
+		conn.Close(ctx)
+		return nil, err
+	}
+	t := &AuditTable{conn: conn, CommitTimestamps: r.CommitTimestamps, Order: r.Order, key: r.key, createdAt: r.createdAt,
+		id: pgx.Identifier{cfg.Decoder.Columns.ID}.Sanitize(), table: cfg.quotedTable(), margin: margin}
+	for _, c := range r.cols {
+		if c.Name == cfg.Decoder.Columns.ID {
+			t.uuid = c.TypeOID == uuidOID
+		}
+	}
+	return t, nil
+}
+
+// Close closes the connection.
+func (t *AuditTable) Close(ctx context.Context) { _ = t.conn.Close(ctx) }
+
+// Oldest returns the smallest order key the table holds; ok is false when
+// it holds no row with one.
+func (t *AuditTable) Oldest(ctx context.Context) (time.Time, bool, error) {
+	var key *time.Time
+	if err := t.conn.QueryRow(ctx, "SELECT min("+t.key+") FROM "+t.table).Scan(&key); err != nil {
+		return time.Time{}, false, fmt.Errorf("read the oldest outbox row: %w", err)
+	}
+	if key == nil {
+		return time.Time{}, false, nil
+	}
+	return key.UTC(), true, nil
+}
+
+// Page returns up to n rows with since <= key <= until after (afterKey,
+// afterID) in (key, id) order; first: no row before (the range's first
+// page). Rows without an order key (no commit timestamp and no created-at
+// column) are not in any range.
+func (t *AuditTable) Page(ctx context.Context, since, until time.Time, first bool, afterKey time.Time, afterID string, n int) ([]AuditRow, error) {
+	q := "SELECT " + t.id + "::text, (extract(epoch FROM " + t.key + ") * 1000000)::bigint FROM " + t.table +
+		" WHERE " + t.key + " >= $1 AND " + t.key + " <= $2"
+	args := []any{since, until}
+	if t.CommitTimestamps && t.createdAt != "" {
+		// A row whose commit timestamp is at or after from was inserted
+		// at most one margin earlier: an index on the created-at column
+		// bounds the page's scan.
+		from := since
+		if !first {
+			from = afterKey
+		}
+		q += " AND " + t.createdAt + " >= $3"
+		args = append(args, from.Add(-t.margin))
+	}
+	if !first {
+		q += fmt.Sprintf(" AND (%s, %s) > ($%d, $%d)", t.key, t.id, len(args)+1, len(args)+2)
+		args = append(args, afterKey, afterID)
+	}
+	q += fmt.Sprintf(" ORDER BY %s, %s LIMIT %d", t.key, t.id, n)
+	rows, err := t.conn.Query(ctx, q, args...)
+	if err != nil {
+		return nil, fmt.Errorf("read the outbox rows: %w", err)
+	}
+	out := make([]AuditRow, 0, n)
+	for rows.Next() {
+		var id string
+		var us int64
+		if err := rows.Scan(&id, &us); err != nil {
+			return nil, fmt.Errorf("read the outbox rows: %w", err)
+		}
+		out = append(out, AuditRow{ID: id, Key: time.UnixMicro(us).UTC()})
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("read the outbox rows: %w", err)
+	}
+	return out, nil
+}
+
+var uuidText = regexp.MustCompile(`^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$`)
+
+// Lookup returns the order keys of the ids the table holds (a row without
+// an order key is left out). With a uuid id column, ids that are not a
+// uuid's text are not asked for.
+func (t *AuditTable) Lookup(ctx context.Context, ids []string) (map[string]time.Time, error) {
+	ask := ids
+	if t.uuid {
+		ask = make([]string, 0, len(ids))
+		for _, id := range ids {
+			if uuidText.MatchString(id) {
+				ask = append(ask, id)
+			}
+		}
+	}
+	out := map[string]time.Time{}
+	if len(ask) == 0 {
+		return out, nil
+	}
+	rows, err := t.conn.Query(ctx, "SELECT "+t.id+"::text, (extract(epoch FROM "+t.key+") * 1000000)::bigint FROM "+t.table+
+		" WHERE "+t.id+" = ANY($1) AND "+t.key+" IS NOT NULL", ask)
+	if err != nil {
+		return nil, fmt.Errorf("look up outbox ids: %w", err)
+	}
+	for rows.Next() {
+		var id string
+		var us int64
+		if err := rows.Scan(&id, &us); err != nil {
+			return nil, fmt.Errorf("look up outbox ids: %w", err)
+		}
+		out[id] = time.UnixMicro(us).UTC()
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("look up outbox ids: %w", err)
+	}
+	return out, nil
+}
