@@ -183,6 +183,10 @@ func (p *Publisher) ClosedError() error {
 	return p.closedErr(nats.ErrConnectionClosed)
 }
 
+// Connected reports whether the NATS connection is up (not reconnecting,
+// not closed).
+func (p *Publisher) Connected() bool { return p.nc.IsConnected() }
+
 var deniedSubject = regexp.MustCompile(`Publish to "([^"]+)"`)
 
 // NoteAsyncError takes the connection's asynchronous errors (give it to

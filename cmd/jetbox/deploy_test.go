@@ -188,7 +188,10 @@ func TestDeployFiles(t *testing.T) {
 			if len(c.Ports) == 0 || c.Ports[0].Name != "http" || port != strconv.Itoa(c.Ports[0].ContainerPort) {
 				t.Errorf("%s: container port does not match JETBOX_HTTP_ADDR", f)
 			}
-			if c.LivenessProbe.HTTPGet.Path != "/healthz" || c.ReadinessProbe.HTTPGet.Path != "/healthz" || c.LivenessProbe.HTTPGet.Port != "http" {
+			// A standby is ready on /readyz?standby=1; beside Postgres, /healthz
+			// (jetbox must not take Postgres out of its Service).
+			ready := map[string]string{"deploy/kubernetes/deployment.yaml": "/readyz?standby=1", "deploy/kubernetes/sidecar-statefulset.yaml": "/healthz"}[f]
+			if c.LivenessProbe.HTTPGet.Path != "/healthz" || c.ReadinessProbe.HTTPGet.Path != ready || c.LivenessProbe.HTTPGet.Port != "http" {
 				t.Errorf("%s: probes %+v %+v", f, c.LivenessProbe, c.ReadinessProbe)
 			}
 			if c.Resources.Requests["memory"] == "" || c.Resources.Limits["memory"] == "" {

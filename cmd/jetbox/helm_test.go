@@ -14,6 +14,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jetbox-dev/jetbox/internal/testenv"
 	"go.yaml.in/yaml/v3"
 )
@@ -220,14 +221,15 @@ type chartVariant struct {
 }
 
 var chartVariants = []chartVariant{
-	{"", "Deployment", 2, "/healthz"},
+	{"", "Deployment", 2, "/readyz?standby=1"},
 	{"single-values.yaml", "Deployment", 1, "/readyz"},
-	{"password-values.yaml", "Deployment", 3, "/healthz"},
-	{"nats-auth-values.yaml", "Deployment", 2, "/healthz"},
-	{"monitoring-values.yaml", "Deployment", 2, "/healthz"},
-	{"nkey-values.yaml", "Deployment", 2, "/healthz"},
-	{"token-values.yaml", "Deployment", 2, "/healthz"},
-	{"sidecar-values.yaml", "StatefulSet", 1, "/healthz"},
+	{"password-values.yaml", "Deployment", 3, "/readyz?standby=1"},
+	{"nats-auth-values.yaml", "Deployment", 2, "/readyz?standby=1"},
+	{"monitoring-values.yaml", "Deployment", 2, "/readyz?standby=1"},
+	{"nkey-values.yaml", "Deployment", 2, "/readyz?standby=1"},
+	{"token-values.yaml", "Deployment", 2, "/readyz?standby=1"},
+	{"cnpg-values.yaml", "Deployment", 2, "/readyz?standby=1"},
+	{"production-values.yaml", "Deployment", 3, "/readyz?standby=1"},
 }
 
 // TestHelmChart renders deploy/helm/jetbox with the default values and each
@@ -283,9 +285,18 @@ func TestHelmChart(t *testing.T) {
 		})
 	}
 	// The chart refuses what must not be plain configuration.
-	for _, set := range []string{"config.postgres-url=postgres://x", "config.http-addr=:9090", "config.nats-password=x", "mode=cluster", "postgres.urlSecret.name=", "config.MaxInFlight=1"} {
-		if _, err := helmTemplate(t, helm, "--set", set); err == nil {
-			t.Errorf("helm template --set %s: rendered, want a refusal", set)
+	for _, set := range [][]string{{"config.postgres-url=postgres://x"}, {"config.http-addr=:9090"}, {"config.nats-password=x"},
+		{"mode=sidecar"}, {"postgres.existingSecret="}, {"config.MaxInFlight=1"},
+		{"postgres.url=postgres://db:5432/app"}, // and existingSecret: which one?
+		{"postgres.existingSecret=", "postgres.url=postgres://jetbox:pw@db:5432/app"},
+		{"postgres.existingSecret=", "postgres.url=host=db password=pw dbname=app"},
+		{"serviceMonitor.enabled=true", "podMonitor.enabled=true"}} {
+		var args []string
+		for _, a := range set {
+			args = append(args, "--set", a)
+		}
+		if _, err := helmTemplate(t, helm, args...); err == nil {
+			t.Errorf("helm template --set %v: rendered, want a refusal", set)
 		}
 	}
 }
@@ -357,13 +368,18 @@ func checkChart(t *testing.T, v chartVariant, docs []map[string]any, flagEnv map
 		}
 	}
 	// Secrets only ever come from Secrets.
-	for _, name := range []string{"JETBOX_POSTGRES_URL", "JETBOX_NATS_PASSWORD", "JETBOX_NATS_TOKEN"} {
+	for _, name := range []string{"JETBOX_NATS_PASSWORD", "JETBOX_NATS_TOKEN", "PGPASSWORD"} {
 		if val, ok := env[name]; ok && !strings.HasPrefix(val, "secret:") {
 			t.Errorf("%s is a plain value, want a secretKeyRef", name)
 		}
 	}
-	if !strings.HasPrefix(env["JETBOX_POSTGRES_URL"], "secret:") {
-		t.Errorf("JETBOX_POSTGRES_URL %q, want a secretKeyRef", env["JETBOX_POSTGRES_URL"])
+	// The Postgres URL: from a Secret, or a plain one without a password
+	// (which then comes from PGPASSWORD).
+	if u := env["JETBOX_POSTGRES_URL"]; !strings.HasPrefix(u, "secret:") {
+		cc, err := pgconn.ParseConfig(u)
+		if err != nil || u == "" || cc.Password != "" || !strings.HasPrefix(env["PGPASSWORD"], "secret:") {
+			t.Errorf("JETBOX_POSTGRES_URL %q (PGPASSWORD %q): want a secretKeyRef, or a URL without a password and PGPASSWORD from a Secret", u, env["PGPASSWORD"])
+		}
 	}
 	if d := env["JETBOX_DELIVERY"]; d != DefaultDelivery {
 		t.Errorf("JETBOX_DELIVERY %q, want the default %q, spelled out", d, DefaultDelivery)
@@ -457,20 +473,6 @@ func checkChart(t *testing.T, v chartVariant, docs []map[string]any, flagEnv map
 			t.Errorf("mounts volume %q, which the pod does not have", m.Name)
 		}
 	}
-	if v.kind == "StatefulSet" {
-		var pg *container
-		for i, c := range pod.Containers {
-			if c.Name == "postgres" {
-				pg = &pod.Containers[i]
-			}
-		}
-		if pg == nil || !strings.Contains(strings.Join(pg.Args, " "), "wal_level=logical") {
-			t.Error("sidecar: no postgres container with wal_level=logical")
-		}
-		if w.Spec.ServiceName != objs["Service"].Metadata.Name {
-			t.Errorf("StatefulSet serviceName %q, Service %q", w.Spec.ServiceName, objs["Service"].Metadata.Name)
-		}
-	}
 	// The Service publishes the http port of every instance, standbys too.
 	svc, ok := objs["Service"]
 	if !ok {
@@ -493,8 +495,12 @@ func checkChart(t *testing.T, v chartVariant, docs []map[string]any, flagEnv map
 	// Prometheus Operator objects, when enabled.
 	_, hasSM := objs["ServiceMonitor"]
 	_, hasRule := objs["PrometheusRule"]
+	_, hasPM := objs["PodMonitor"]
 	if monitoring := v.file == "monitoring-values.yaml"; hasSM != monitoring || hasRule != monitoring {
 		t.Errorf("ServiceMonitor %v, PrometheusRule %v; want both only with monitoring-values.yaml", hasSM, hasRule)
+	}
+	if hasPM != (v.file == "cnpg-values.yaml") {
+		t.Errorf("PodMonitor %v; want one only with cnpg-values.yaml", hasPM)
 	}
 	if sm, ok := objs["ServiceMonitor"]; ok {
 		if !subset(sm.Spec.Selector.MatchLabels, svc.Metadata.Labels) || len(sm.Spec.Endpoints) != 1 || sm.Spec.Endpoints[0].Port != "http" || sm.Spec.Endpoints[0].Path != "/metrics" {
@@ -514,6 +520,371 @@ func checkChart(t *testing.T, v chartVariant, docs []map[string]any, flagEnv map
 		}
 		if !strings.Contains(string(b), `job="`+svc.Metadata.Name+`"`) {
 			t.Errorf("PrometheusRule does not select the ServiceMonitor's job %q", svc.Metadata.Name)
+		}
+	}
+}
+
+// renderKind renders the chart and returns its one object of the kind
+// (nil when there is none).
+func renderKind(t *testing.T, helm, kind string, args ...string) map[string]any {
+	t.Helper()
+	docs, err := helmTemplate(t, helm, args...)
+	if err != nil {
+		t.Fatalf("helm template %v: %v", args, err)
+	}
+	var found map[string]any
+	for _, d := range docs {
+		if d["kind"] == kind {
+			if found != nil {
+				t.Fatalf("helm template %v: two %s objects", args, kind)
+			}
+			found = d
+		}
+	}
+	return found
+}
+
+// dig walks nested maps and lists ("0" indexes a list) of a rendered object.
+func dig(v any, path ...string) any {
+	for _, p := range path {
+		switch x := v.(type) {
+		case map[string]any:
+			v = x[p]
+		case []any:
+			i, err := strconv.Atoi(p)
+			if err != nil || i >= len(x) {
+				return nil
+			}
+			v = x[i]
+		default:
+			return nil
+		}
+	}
+	return v
+}
+
+// jetboxContainer is the jetbox container of the rendered Deployment.
+func jetboxContainer(t *testing.T, deploy map[string]any) map[string]any {
+	t.Helper()
+	cs, _ := dig(deploy, "spec", "template", "spec", "containers").([]any)
+	for _, c := range cs {
+		if dig(c, "name") == "jetbox" {
+			return c.(map[string]any)
+		}
+	}
+	t.Fatal("no jetbox container")
+	return nil
+}
+
+// envOf is the container's env by name: a value, or "secret:<name>/<key>".
+func envOf(c map[string]any) map[string]string {
+	out := map[string]string{}
+	es, _ := c["env"].([]any)
+	for _, e := range es {
+		name, _ := dig(e, "name").(string)
+		if v, ok := dig(e, "value").(string); ok {
+			out[name] = v
+		} else if ref := dig(e, "valueFrom", "secretKeyRef"); ref != nil {
+			out[name] = "secret:" + dig(ref, "name").(string) + "/" + dig(ref, "key").(string)
+		}
+	}
+	return out
+}
+
+func yamlEqual(t *testing.T, got any, want string) bool {
+	t.Helper()
+	var w any
+	must(t, yaml.Unmarshal([]byte(want), &w))
+	return reflect.DeepEqual(got, w)
+}
+
+// TestHelmImage: image.registry, .repository, .tag (default the chart's
+// appVersion) and .digest (repository@digest) make the container's image.
+func TestHelmImage(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs helm (-short)")
+	}
+	helm := helmBin(t)
+	b, err := os.ReadFile(filepath.Join(chartDir, "Chart.yaml"))
+	must(t, err)
+	var chart struct {
+		AppVersion string `yaml:"appVersion"`
+	}
+	must(t, yaml.Unmarshal(b, &chart))
+	digest := "sha256:" + strings.Repeat("ab", 32)
+	for _, c := range []struct {
+		set        []string
+		image, pol string
+	}{
+		{nil, "jetbox:" + chart.AppVersion, "IfNotPresent"},
+		{[]string{"image.tag=0.2.0"}, "jetbox:0.2.0", "IfNotPresent"},
+		{[]string{"image.registry=registry.example.com/platform", "image.pullPolicy=Always"}, "registry.example.com/platform/jetbox:" + chart.AppVersion, "Always"},
+		{[]string{"image.registry=ghcr.io", "image.repository=acme/jetbox", "image.tag=0.2.0", "image.digest=" + digest}, "ghcr.io/acme/jetbox@" + digest, "IfNotPresent"},
+	} {
+		var args []string
+		for _, s := range c.set {
+			args = append(args, "--set", s)
+		}
+		jb := jetboxContainer(t, renderKind(t, helm, "Deployment", args...))
+		if jb["image"] != c.image || jb["imagePullPolicy"] != c.pol {
+			t.Errorf("--set %v: image %v (%v), want %s (%s)", c.set, jb["image"], jb["imagePullPolicy"], c.image, c.pol)
+		}
+	}
+	if _, err := helmTemplate(t, helm, "--set", "image.digest=latest"); err == nil {
+		t.Error("image.digest=latest rendered, want the schema's refusal")
+	}
+}
+
+// schemaPaths lists the dotted paths of values.yaml's keys to the given depth.
+func schemaPaths(prefix string, m map[string]any, depth int, out *[]string) {
+	for k, v := range m {
+		p := k
+		if prefix != "" {
+			p = prefix + "." + k
+		}
+		*out = append(*out, p)
+		if sub, ok := v.(map[string]any); ok && depth > 1 {
+			schemaPaths(p, sub, depth-1, out)
+		}
+	}
+}
+
+func chartValues(t *testing.T) map[string]any {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(chartDir, "values.yaml"))
+	must(t, err)
+	var vals map[string]any
+	must(t, yaml.Unmarshal(b, &vals))
+	return vals
+}
+
+// TestHelmSchema: values.schema.json is draft-07, gives every value of
+// values.yaml (but config's free-form flags) a type, and helm template
+// refuses a value of the wrong type or an unknown one with the schema's error.
+func TestHelmSchema(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs helm (-short)")
+	}
+	helm := helmBin(t)
+	b, err := os.ReadFile(filepath.Join(chartDir, "values.schema.json"))
+	must(t, err)
+	var schema map[string]any
+	must(t, yaml.Unmarshal(b, &schema)) // JSON is YAML
+	if schema["$schema"] != "http://json-schema.org/draft-07/schema#" {
+		t.Errorf("$schema %v, want draft-07", schema["$schema"])
+	}
+	var paths []string
+	schemaPaths("", chartValues(t), 8, &paths)
+	for _, p := range paths {
+		if strings.HasPrefix(p, "config.") || strings.Contains(p, ".labels.") || strings.Contains(p, ".annotations.") ||
+			strings.HasPrefix(p, "podSecurityContext.") || strings.HasPrefix(p, "securityContext.") ||
+			strings.HasPrefix(p, "strategy.rollingUpdate.") || strings.HasPrefix(p, "resources.requests.") || strings.HasPrefix(p, "resources.limits.") {
+			continue // free-form maps: typed as a whole
+		}
+		node := any(schema)
+		for _, k := range strings.Split(p, ".") {
+			node = dig(node, "properties", k)
+		}
+		if node == nil || dig(node, "type") == nil {
+			t.Errorf("values.schema.json gives %s no type", p)
+		}
+	}
+	for _, c := range []struct{ set, want string }{
+		{"replicas=two", "at '/replicas': got string, want integer"},
+		{"replicaz=2", "additional properties 'replicaz' not allowed"},
+		{"http.port=0", "/http/port"},
+		{"image.pullPolicy=Sometimes", "/image/pullPolicy"},
+		{"serviceMonitor.enabled=yes", "/serviceMonitor/enabled"},
+	} {
+		_, err := helmTemplate(t, helm, "--set", c.set)
+		if err == nil || !strings.Contains(err.Error(), "values don't meet the specifications of the schema") || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("helm template --set %s: %v, want the schema's error %q", c.set, err, c.want)
+		}
+	}
+}
+
+// TestHelmReadme: `helm show readme` prints the chart's README.md, which
+// names every value of values.yaml (two levels deep) and the ci/ variants.
+func TestHelmReadme(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs helm (-short)")
+	}
+	helm := helmBin(t)
+	cmd := exec.Command(helm, "show", "readme", chartDir)
+	cmd.Env = append(os.Environ(), "HELM_CACHE_HOME="+t.TempDir(), "HELM_CONFIG_HOME="+t.TempDir(), "HELM_DATA_HOME="+t.TempDir())
+	out, err := cmd.CombinedOutput()
+	must(t, err)
+	readme, err := os.ReadFile(filepath.Join(chartDir, "README.md"))
+	must(t, err)
+	if len(readme) == 0 || strings.TrimSpace(string(out)) != strings.TrimSpace(string(readme)) {
+		t.Fatalf("helm show readme printed %d bytes, README.md has %d (.helmignore drops it?)", len(out), len(readme))
+	}
+	// Every top-level key, and each key of a map below it: maps such as
+	// config or securityContext are described as a whole.
+	whole := []string{"config", "resources", "podSecurityContext", "securityContext", "strategy", "podAnnotations", "podLabels", "nodeSelector", "affinity"}
+	for k, v := range chartValues(t) {
+		sub, isMap := v.(map[string]any)
+		if !isMap || slices.Contains(whole, k) {
+			if !strings.Contains(string(readme), "`"+k+"`") {
+				t.Errorf("README.md does not describe `%s`", k)
+			}
+			continue
+		}
+		for sk := range sub {
+			if !strings.Contains(string(readme), "`"+k+"."+sk+"`") {
+				t.Errorf("README.md does not describe `%s.%s`", k, sk)
+			}
+		}
+	}
+	files, err := filepath.Glob(filepath.Join(chartDir, "ci", "*-values.yaml"))
+	must(t, err)
+	for _, f := range files {
+		if !strings.Contains(string(readme), "ci/"+filepath.Base(f)) {
+			t.Errorf("README.md does not name ci/%s", filepath.Base(f))
+		}
+	}
+}
+
+// TestHelmPostgresCredentials: the URL from existingSecret, or a URL without
+// credentials with PGUSER and PGPASSWORD from Secrets (CloudNativePG's
+// basic-auth keys username and password).
+func TestHelmPostgresCredentials(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs helm (-short)")
+	}
+	helm := helmBin(t)
+	env := envOf(jetboxContainer(t, renderKind(t, helm, "Deployment")))
+	if env["JETBOX_POSTGRES_URL"] != "secret:jetbox/postgres-url" || env["PGUSER"] != "" || env["PGPASSWORD"] != "" {
+		t.Errorf("defaults: %v, want JETBOX_POSTGRES_URL from Secret jetbox, key postgres-url, and no PGUSER/PGPASSWORD", env)
+	}
+	env = envOf(jetboxContainer(t, renderKind(t, helm, "Deployment", "--set", "postgres.existingSecret=orders-db", "--set", "postgres.existingSecretKey=uri")))
+	if env["JETBOX_POSTGRES_URL"] != "secret:orders-db/uri" {
+		t.Errorf("existingSecret: JETBOX_POSTGRES_URL %q", env["JETBOX_POSTGRES_URL"])
+	}
+	env = envOf(jetboxContainer(t, renderKind(t, helm, "Deployment", "-f", filepath.Join(chartDir, "ci", "cnpg-values.yaml"))))
+	if env["JETBOX_POSTGRES_URL"] != "postgres://pg-main-rw.db.svc:5432/app?sslmode=verify-full" ||
+		env["PGUSER"] != "secret:pg-main-app/username" || env["PGPASSWORD"] != "secret:pg-main-app/password" {
+		t.Errorf("cnpg-values.yaml: %v, want the plain URL and PGUSER/PGPASSWORD from pg-main-app's username and password", env)
+	}
+}
+
+// TestHelmPodSettings: extraVolumes and extraVolumeMounts, podAnnotations,
+// podLabels, topologySpreadConstraints, priorityClassName, minReadySeconds,
+// the startup probe and serviceAccount.annotations are rendered.
+func TestHelmPodSettings(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs helm (-short)")
+	}
+	helm := helmBin(t)
+	prod := []string{"-f", filepath.Join(chartDir, "ci", "production-values.yaml")}
+	d := renderKind(t, helm, "Deployment", prod...)
+	pod := dig(d, "spec", "template")
+	if dig(d, "spec", "minReadySeconds") != 30 {
+		t.Errorf("minReadySeconds %v, want 30", dig(d, "spec", "minReadySeconds"))
+	}
+	if dig(pod, "metadata", "labels", "team") != "payments" || dig(pod, "metadata", "labels", "app.kubernetes.io/name") != "jetbox" {
+		t.Errorf("pod labels %v", dig(pod, "metadata", "labels"))
+	}
+	if dig(pod, "metadata", "annotations", "backup.velero.io/backup-volumes-excludes") != "tmp" {
+		t.Errorf("pod annotations %v", dig(pod, "metadata", "annotations"))
+	}
+	if dig(pod, "spec", "priorityClassName") != "platform-critical" {
+		t.Errorf("priorityClassName %v", dig(pod, "spec", "priorityClassName"))
+	}
+	if !yamlEqual(t, dig(pod, "spec", "topologySpreadConstraints"), `[{maxSkew: 1, topologyKey: topology.kubernetes.io/zone, whenUnsatisfiable: ScheduleAnyway, labelSelector: {matchLabels: {app.kubernetes.io/name: jetbox}}}]`) {
+		t.Errorf("topologySpreadConstraints %v", dig(pod, "spec", "topologySpreadConstraints"))
+	}
+	jb := jetboxContainer(t, d)
+	if dig(jb, "startupProbe", "httpGet", "path") != "/healthz" || dig(jb, "startupProbe", "failureThreshold") != 60 {
+		t.Errorf("startupProbe %v, want /healthz, failureThreshold 60", jb["startupProbe"])
+	}
+	sa := renderKind(t, helm, "ServiceAccount", prod...)
+	if dig(sa, "metadata", "annotations", "eks.amazonaws.com/role-arn") != "arn:aws:iam::123456789012:role/jetbox" {
+		t.Errorf("ServiceAccount annotations %v", dig(sa, "metadata", "annotations"))
+	}
+	// Defaults: no priority class or spread constraints, a startup probe.
+	d = renderKind(t, helm, "Deployment")
+	if dig(d, "spec", "template", "spec", "priorityClassName") != nil || dig(d, "spec", "template", "spec", "topologySpreadConstraints") != nil ||
+		dig(d, "spec", "minReadySeconds") != 10 || dig(jetboxContainer(t, d), "startupProbe", "httpGet", "path") != "/healthz" {
+		t.Errorf("defaults: %v", dig(d, "spec"))
+	}
+	d = renderKind(t, helm, "Deployment", "-f", filepath.Join(chartDir, "ci", "cnpg-values.yaml"))
+	if !yamlEqual(t, dig(d, "spec", "template", "spec", "volumes", "1"), `{name: pg-ca, secret: {secretName: pg-main-ca, items: [{key: ca.crt, path: ca.crt}], defaultMode: 0440}}`) {
+		t.Errorf("extraVolumes: volumes %v", dig(d, "spec", "template", "spec", "volumes"))
+	}
+	if !yamlEqual(t, dig(jetboxContainer(t, d), "volumeMounts", "1"), `{name: pg-ca, mountPath: /etc/jetbox/pg-ca, readOnly: true}`) {
+		t.Errorf("extraVolumeMounts: %v", dig(jetboxContainer(t, d), "volumeMounts"))
+	}
+}
+
+// TestHelmDashboard: grafanaDashboard.enabled renders a ConfigMap labelled
+// grafana_dashboard: "1" holding the dashboard, and the chart's copy of it is
+// deploy/grafana/jetbox.json.
+func TestHelmDashboard(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs helm (-short)")
+	}
+	helm := helmBin(t)
+	want, err := os.ReadFile(filepath.Join(repoRoot, "deploy/grafana/jetbox.json"))
+	must(t, err)
+	inChart, err := os.ReadFile(filepath.Join(chartDir, "dashboards/jetbox.json"))
+	must(t, err)
+	if !bytes.Equal(want, inChart) {
+		t.Fatal("deploy/helm/jetbox/dashboards/jetbox.json differs from deploy/grafana/jetbox.json: copy it (cp deploy/grafana/jetbox.json deploy/helm/jetbox/dashboards/)")
+	}
+	if cm := renderKind(t, helm, "ConfigMap"); cm != nil {
+		t.Error("a dashboard ConfigMap by default")
+	}
+	cm := renderKind(t, helm, "ConfigMap", "-f", filepath.Join(chartDir, "ci", "monitoring-values.yaml"))
+	if dig(cm, "metadata", "labels", "grafana_dashboard") != "1" || dig(cm, "metadata", "annotations", "grafana_folder") != "jetbox" {
+		t.Errorf("dashboard ConfigMap metadata %v", cm["metadata"])
+	}
+	got, _ := dig(cm, "data", "jetbox.json").(string)
+	if strings.TrimSpace(got) != strings.TrimSpace(string(want)) {
+		t.Errorf("the ConfigMap's jetbox.json (%d bytes) is not deploy/grafana/jetbox.json (%d bytes)", len(got), len(want))
+	}
+}
+
+// TestHelmMonitors: the ServiceMonitor's scrapeTimeout, relabelings and
+// metricRelabelings; the PodMonitor alternative, whose job is the fullname
+// the PrometheusRule selects.
+func TestHelmMonitors(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs helm (-short)")
+	}
+	helm := helmBin(t)
+	sm := renderKind(t, helm, "ServiceMonitor", "-f", filepath.Join(chartDir, "ci", "monitoring-values.yaml"))
+	ep := dig(sm, "spec", "endpoints", "0")
+	if dig(ep, "scrapeTimeout") != "10s" || !yamlEqual(t, dig(ep, "relabelings"), `[{sourceLabels: [__meta_kubernetes_pod_node_name], targetLabel: node}]`) ||
+		!yamlEqual(t, dig(ep, "metricRelabelings"), `[{sourceLabels: [__name__], regex: go_gc_.*, action: drop}]`) {
+		t.Errorf("ServiceMonitor endpoint %v", ep)
+	}
+	pmArgs := []string{"-f", filepath.Join(chartDir, "ci", "cnpg-values.yaml"), "--set", "fullnameOverride=orders-jetbox"}
+	pm := renderKind(t, helm, "PodMonitor", pmArgs...)
+	ep = dig(pm, "spec", "podMetricsEndpoints", "0")
+	if dig(ep, "port") != "http" || dig(ep, "path") != "/metrics" || dig(ep, "scrapeTimeout") != "10s" ||
+		!yamlEqual(t, dig(ep, "relabelings"), `[{action: replace, targetLabel: job, replacement: orders-jetbox}]`) ||
+		!yamlEqual(t, dig(ep, "metricRelabelings"), `[{sourceLabels: [__name__], regex: go_gc_.*, action: drop}]`) {
+		t.Errorf("PodMonitor endpoint %v", ep)
+	}
+	d := renderKind(t, helm, "Deployment", pmArgs...)
+	if !subset(map[string]string{"app.kubernetes.io/name": dig(pm, "spec", "selector", "matchLabels", "app.kubernetes.io/name").(string)},
+		map[string]string{"app.kubernetes.io/name": dig(d, "spec", "template", "metadata", "labels", "app.kubernetes.io/name").(string)}) {
+		t.Errorf("PodMonitor selector %v does not select the pods", dig(pm, "spec", "selector"))
+	}
+	if renderKind(t, helm, "ServiceMonitor", pmArgs...) != nil {
+		t.Error("cnpg-values.yaml: a ServiceMonitor besides the PodMonitor")
+	}
+}
+
+// TestHelmNotes: NOTES.txt never chains a command after `kubectl
+// port-forward`, which blocks.
+func TestHelmNotes(t *testing.T) {
+	b, err := os.ReadFile(filepath.Join(chartDir, "templates", "NOTES.txt"))
+	must(t, err)
+	for i, line := range strings.Split(string(b), "\n") {
+		if strings.Contains(line, "port-forward") && (strings.Contains(line, "&&") || strings.Contains(line, ";")) {
+			t.Errorf("NOTES.txt:%d: %q: port-forward blocks, the next command never runs", i+1, line)
 		}
 	}
 }

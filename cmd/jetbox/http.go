@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -90,11 +91,18 @@ func (o *opsServer) health(w http.ResponseWriter, _ *http.Request) {
 	_, _ = w.Write([]byte("ok\n"))
 }
 
-func (o *opsServer) ready(w http.ResponseWriter, _ *http.Request) {
+// ready is /readyz: 200 while jetbox streams and publishes. With ?standby=1
+// also while it stands by (another instance holds the slot: Postgres
+// answered) with its NATS connection up: the readiness of an instance that
+// is one of several on a slot (Kubernetes rolling updates, disruption
+// budgets), which a standby that cannot reach NATS fails.
+func (o *opsServer) ready(w http.ResponseWriter, req *http.Request) {
+	standbyOK, _ := strconv.ParseBool(req.URL.Query().Get("standby"))
 	r := readiness{State: metrics.StateStarting}
 	if s := o.streamer.Load(); s != nil {
 		st := s.SlotStats()
-		r = readiness{Ready: s.Ready(), State: s.State(), ConfirmedLSN: s.ConfirmedLSN().String(),
+		ready := s.Ready() || (standbyOK && s.State() == metrics.StateStandby && o.natsConnected())
+		r = readiness{Ready: ready, State: s.State(), ConfirmedLSN: s.ConfirmedLSN().String(),
 			LagBytes: st.LagBytes, RetainedWALBytes: st.RetainedBytes, WALStatus: st.WALStatus}
 		if st.OverThreshold {
 			r.Warnings = append(r.Warnings, fmt.Sprintf("the slot retains %d bytes of WAL, above --max-retained-wal", st.RetainedBytes))
@@ -108,6 +116,12 @@ func (o *opsServer) ready(w http.ResponseWriter, _ *http.Request) {
 		w.WriteHeader(http.StatusServiceUnavailable)
 	}
 	_ = json.NewEncoder(w).Encode(r)
+}
+
+// natsConnected reports whether the NATS connection is up now.
+func (o *opsServer) natsConnected() bool {
+	p := o.nats.Load()
+	return p != nil && p.Connected()
 }
 
 // awaitScrape returns once /metrics has been served with what the metrics

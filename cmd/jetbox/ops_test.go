@@ -40,7 +40,13 @@ func scrape(t testing.TB, addr string) map[string]float64 {
 
 func getReady(t testing.TB, addr string) (int, readiness) {
 	t.Helper()
-	resp, err := http.Get("http://" + addr + "/readyz")
+	return getReadyPath(t, addr, "/readyz")
+}
+
+// getReadyPath is getReady on another readiness path (/readyz?standby=1).
+func getReadyPath(t testing.TB, addr, path string) (int, readiness) {
+	t.Helper()
+	resp, err := http.Get("http://" + addr + path)
 	if err != nil {
 		return 0, readiness{}
 	}
@@ -251,6 +257,57 @@ func TestHAStandby(t *testing.T) {
 	}
 	f.finish(l, o)
 	t.Logf("takeover after SIGKILL of the active instance (standby retry 500ms): %v", takeovers)
+}
+
+// TestReadyzStandby: /readyz?standby=1 (the Helm chart's readiness with
+// standbys) is 200 on the active instance and on a standby whose NATS
+// connection is up, 503 on the standby while NATS is down; plain /readyz
+// stays 503 on the standby.
+func TestReadyzStandby(t *testing.T) {
+	f := newFixture(t)
+	addrs := []string{httpAddr(t), httpAddr(t)}
+	for _, a := range addrs {
+		f.start("JETBOX_HTTP_ADDR="+a, "JETBOX_STANDBY_RETRY=500ms")
+	}
+	standby := ""
+	testenv.WaitFor(t, time.Minute, func() error {
+		var states []string
+		for _, a := range addrs {
+			_, r := getReady(t, a)
+			states = append(states, r.State)
+		}
+		switch {
+		case states[0] == "streaming" && states[1] == "standby":
+			standby = addrs[1]
+		case states[1] == "streaming" && states[0] == "standby":
+			standby = addrs[0]
+		default:
+			return fmt.Errorf("states %v, want one streaming and one standby", states)
+		}
+		return nil
+	})
+	for _, a := range addrs {
+		if code, r := getReadyPath(t, a, "/readyz?standby=1"); code != 200 || !r.Ready {
+			t.Fatalf("%s /readyz?standby=1 = %d %+v, want 200 (streaming or a connected standby)", a, code, r)
+		}
+	}
+	if code, r := getReady(t, standby); code != 503 || r.Ready || r.State != "standby" {
+		t.Fatalf("standby /readyz = %d %+v, want 503", code, r)
+	}
+	f.nats.Stop()
+	testenv.WaitFor(t, 30*time.Second, func() error {
+		if code, r := getReadyPath(t, standby, "/readyz?standby=1"); code != 503 || r.Ready || r.State != "standby" {
+			return fmt.Errorf("standby /readyz?standby=1 = %d %+v while NATS is down, want 503", code, r)
+		}
+		return nil
+	})
+	f.nats.Start()
+	testenv.WaitFor(t, time.Minute, func() error {
+		if code, r := getReadyPath(t, standby, "/readyz?standby=1"); code != 200 || !r.Ready || r.State != "standby" {
+			return fmt.Errorf("standby /readyz?standby=1 = %d %+v with NATS back, want 200", code, r)
+		}
+		return nil
+	})
 }
 
 // TestHATakeoverAfterNetworkCut: the active instance's network to Postgres

@@ -39,19 +39,41 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "jetbox.readinessPath" -}}
 {{- if .Values.probes.readinessPath }}
 {{- .Values.probes.readinessPath }}
-{{- else if and (eq .Values.mode "ha") (eq (int .Values.replicas) 1) }}
+{{- else if eq (int .Values.replicas) 1 }}
 {{- "/readyz" }}
 {{- else }}
-{{- "/healthz" }}
+{{- "/readyz?standby=1" }}
+{{- end }}
+{{- end }}
+
+{{/* The image: [registry/]repository@digest, else [registry/]repository:tag (default appVersion). */}}
+{{- define "jetbox.image" -}}
+{{- $i := .Values.image }}
+{{- $repo := $i.repository }}
+{{- if $i.registry }}{{ $repo = printf "%s/%s" (trimSuffix "/" $i.registry) $i.repository }}{{ end }}
+{{- if $i.digest }}
+{{- printf "%s@%s" $repo $i.digest }}
+{{- else }}
+{{- printf "%s:%s" $repo (toString ($i.tag | default .Chart.AppVersion)) }}
 {{- end }}
 {{- end }}
 
 {{- define "jetbox.validate" -}}
-{{- if not (has .Values.mode (list "ha" "sidecar")) }}
-{{- fail (printf "mode %q: use ha or sidecar" .Values.mode) }}
+{{- $pg := .Values.postgres }}
+{{- if and $pg.existingSecret $pg.url }}
+{{- fail "postgres: set existingSecret (a Secret holding the URL) or url (a URL without credentials), not both" }}
 {{- end }}
-{{- if not .Values.postgres.urlSecret.name }}
-{{- fail "postgres.urlSecret.name: the Secret holding the Postgres URL is required" }}
+{{- if not (or $pg.existingSecret $pg.url) }}
+{{- fail "postgres.existingSecret: the Secret holding the Postgres URL is required (or postgres.url, a URL without credentials, with postgres.userSecret and postgres.passwordSecret)" }}
+{{- end }}
+{{- if and $pg.url (regexMatch "^[a-z]+://[^/@]*:[^/@]*@" $pg.url) }}
+{{- fail "postgres.url holds a password: put the URL in a Secret (postgres.existingSecret) or the password in postgres.passwordSecret" }}
+{{- end }}
+{{- if and $pg.url (regexMatch "password=" $pg.url) }}
+{{- fail "postgres.url holds a password: put the URL in a Secret (postgres.existingSecret) or the password in postgres.passwordSecret" }}
+{{- end }}
+{{- if and .Values.serviceMonitor.enabled .Values.podMonitor.enabled }}
+{{- fail "serviceMonitor.enabled and podMonitor.enabled: enable one, else every instance is scraped twice" }}
 {{- end }}
 {{- range $k, $v := .Values.config }}
 {{- if has $k (list "postgres-url" "http-addr" "nats-creds" "nats-nkey" "nats-password" "nats-token" "nats-tls-ca" "nats-tls-cert" "nats-tls-key") }}
@@ -66,13 +88,30 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{/* The jetbox container. */}}
 {{- define "jetbox.container" -}}
 - name: jetbox
-  image: "{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}"
+  image: {{ include "jetbox.image" . | quote }}
   imagePullPolicy: {{ .Values.image.pullPolicy }}
   args: ["run"]
   env:
+    {{- with .Values.postgres }}
+    {{- if .existingSecret }}
     - name: JETBOX_POSTGRES_URL
       valueFrom:
-        secretKeyRef: {name: {{ .Values.postgres.urlSecret.name | quote }}, key: {{ .Values.postgres.urlSecret.key | quote }}}
+        secretKeyRef: {name: {{ .existingSecret | quote }}, key: {{ .existingSecretKey | quote }}}
+    {{- else }}
+    - name: JETBOX_POSTGRES_URL
+      value: {{ .url | quote }}
+    {{- end }}
+    {{- if .userSecret.name }}
+    - name: PGUSER
+      valueFrom:
+        secretKeyRef: {name: {{ .userSecret.name | quote }}, key: {{ .userSecret.key | quote }}}
+    {{- end }}
+    {{- if .passwordSecret.name }}
+    - name: PGPASSWORD
+      valueFrom:
+        secretKeyRef: {name: {{ .passwordSecret.name | quote }}, key: {{ .passwordSecret.key | quote }}}
+    {{- end }}
+    {{- end }}
     - name: JETBOX_HTTP_ADDR
       value: "0.0.0.0:{{ .Values.http.port }}"
     {{- range $k, $v := .Values.config }}
@@ -116,11 +155,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
     {{- end }}
   ports:
     - {name: http, containerPort: {{ .Values.http.port }}}
+  startupProbe:
+    httpGet: {path: /healthz, port: http}
+    {{- toYaml .Values.probes.startup | nindent 4 }}
   livenessProbe:
     httpGet: {path: /healthz, port: http}
     {{- toYaml .Values.probes.liveness | nindent 4 }}
   readinessProbe:
-    httpGet: {path: {{ include "jetbox.readinessPath" . }}, port: http}
+    httpGet: {path: {{ include "jetbox.readinessPath" . | quote }}, port: http}
     {{- toYaml .Values.probes.readiness | nindent 4 }}
   resources:
     {{- toYaml .Values.resources | nindent 4 }}
@@ -136,6 +178,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
     {{- end }}
     {{- if .Values.nats.tls.secretName }}
     - {name: nats-tls, mountPath: /var/run/jetbox/nats-tls, readOnly: true}
+    {{- end }}
+    {{- with .Values.extraVolumeMounts }}
+    {{- toYaml . | nindent 4 }}
     {{- end }}
 {{- end }}
 
@@ -163,6 +208,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
     secretName: {{ .secretName | quote }}
     defaultMode: 0440
 {{- end }}{{ end }}
+{{- with .Values.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
 {{- end }}
 
 {{- define "jetbox.podMeta" -}}
