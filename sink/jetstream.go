@@ -33,6 +33,7 @@ import (
 
 	"github.com/jetbox-dev/jetbox/internal/fault"
 	"github.com/jetbox-dev/jetbox/sink/format"
+	"go.opentelemetry.io/otel/propagation"
 
 	"github.com/jackc/pglogrepl"
 	"github.com/jetbox-dev/jetbox/decoder"
@@ -86,6 +87,9 @@ type Config struct {
 	Metrics *metrics.Metrics
 	// TracerProvider: one span per event (sink/trace.go); nil: no tracing.
 	TracerProvider TracerProvider
+	// Propagator reads a row's trace context and writes the span's into
+	// the message (OTEL_PROPAGATORS); nil: W3C trace context.
+	Propagator propagation.TextMapPropagator
 }
 
 // PermanentError is a publish failure that retrying cannot fix (the message is
@@ -144,7 +148,7 @@ func New(nc *nats.Conn, cfg Config, log zerolog.Logger) (*Publisher, error) {
 	if err != nil {
 		return nil, fmt.Errorf("jetstream context: %w", err)
 	}
-	p := &Publisher{cfg: cfg, nc: nc, js: js, denied: make(chan struct{}), gone: make(chan struct{}), tracing: newTracing(cfg.TracerProvider, cfg.Stream, spanTemplate(cfg)),
+	p := &Publisher{cfg: cfg, nc: nc, js: js, denied: make(chan struct{}), gone: make(chan struct{}), tracing: newTracing(cfg),
 		log: log.With().Str("component", "sink").Str("stream", cfg.Stream).Logger()}
 	// nats.go does not fail pending async publishes when the connection
 	// closes (only on a reconnect): watch fails them at once instead of

@@ -10,7 +10,10 @@ package sink
 import (
 	"context"
 	"errors"
+	"net/url"
+	"strconv"
 	"strings"
+	"sync/atomic"
 
 	"github.com/jetbox-dev/jetbox/sink/format"
 
@@ -63,7 +66,9 @@ var (
 type tracing struct {
 	tracer   trace.Tracer
 	template string // names every span when set (see Config.SubjectsHoldIDs)
-	prop     propagation.TraceContext
+	prop     propagation.TextMapPropagator
+	fields   []string // the headers prop reads (a row's trace context is one of them)
+	server   atomic.Pointer[serverAttrs]
 	attrs    []attribute.KeyValue // the same on every span
 }
 
@@ -76,20 +81,55 @@ func spanTemplate(cfg Config) string {
 	return ""
 }
 
-func newTracing(tp trace.TracerProvider, stream, template string) *tracing {
+func newTracing(cfg Config) *tracing {
+	tp := cfg.TracerProvider
 	if tp == nil {
 		return nil
 	}
+	var prop propagation.TextMapPropagator = propagation.TraceContext{}
+	if cfg.Propagator != nil {
+		prop = cfg.Propagator
+	}
 	return &tracing{
-		template: template,
+		template: spanTemplate(cfg),
 		tracer:   tp.Tracer(TracerName, trace.WithSchemaURL(semconv.SchemaURL)),
+		prop:     prop,
+		fields:   prop.Fields(),
 		attrs: []attribute.KeyValue{
 			semconv.MessagingSystemKey.String("nats"),
 			semconv.MessagingOperationTypeSend,
 			semconv.MessagingOperationName("publish"),
-			AttrStream.String(stream),
+			AttrStream.String(cfg.Stream),
 		},
 	}
+}
+
+// serverAttrs are server.address and server.port of the server a URL
+// names, computed once per connected URL.
+type serverAttrs struct {
+	url   string
+	attrs []attribute.KeyValue
+}
+
+// serverOf returns the server attributes of the connection's current
+// server (none when it is not connected).
+func (t *tracing) serverOf(nc *nats.Conn) []attribute.KeyValue {
+	if nc == nil {
+		return nil
+	}
+	u := nc.ConnectedUrl()
+	if s := t.server.Load(); s != nil && s.url == u {
+		return s.attrs
+	}
+	s := &serverAttrs{url: u}
+	if pu, err := url.Parse(u); err == nil && pu.Hostname() != "" {
+		s.attrs = append(s.attrs, semconv.ServerAddress(pu.Hostname()))
+		if port, err := strconv.Atoi(pu.Port()); err == nil {
+			s.attrs = append(s.attrs, semconv.ServerPort(port))
+		}
+	}
+	t.server.Store(s)
+	return s.attrs
 }
 
 // startSpan starts ev's span and sets the message's traceparent (and
@@ -100,15 +140,17 @@ func (p *Publisher) startSpan(ev *decoder.Event, h nats.Header) trace.Span {
 		return nil
 	}
 	ctx := context.Background()
-	if hasTraceParent(ev.Headers) {
+	if hasTraceContext(ev.Headers, t.fields) {
 		ctx = t.prop.Extract(ctx, rowCarrier(ev.Headers))
 	}
 	lsn := ""
 	if v := h[format.HeaderCommitLSN]; len(v) == 1 {
 		lsn = v[0] // formatted once per transaction (txText)
 	}
-	attrs := make([]attribute.KeyValue, 0, len(t.attrs)+7)
+	server := t.serverOf(p.nc)
+	attrs := make([]attribute.KeyValue, 0, len(t.attrs)+len(server)+7)
 	attrs = append(attrs, t.attrs...)
+	attrs = append(attrs, server...)
 	attrs = append(attrs,
 		semconv.MessagingDestinationName(ev.Subject),
 		semconv.MessagingMessageID(ev.ID),
@@ -116,9 +158,10 @@ func (p *Publisher) startSpan(ev *decoder.Event, h nats.Header) trace.Span {
 		AttrCommitLSN.String(lsn),
 		AttrTxIndex.Int(ev.TxIndex),
 	)
-	name := "jetbox publish " + ev.Subject
+	// The messaging conventions' span name: "{operation} {destination}".
+	name := "publish " + ev.Subject
 	if t.template != "" {
-		name = "jetbox publish " + t.template
+		name = "publish " + t.template
 		attrs = append(attrs, semconv.MessagingDestinationTemplate(t.template))
 	}
 	if !ev.WALSent.IsZero() {
@@ -180,10 +223,14 @@ func setSpanSeq(span trace.Span, seq uint64) {
 	}
 }
 
-func hasTraceParent(hs []decoder.Header) bool {
+// hasTraceContext reports whether the row carries one of the headers the
+// propagator reads (fields: traceparent for W3C, b3 or X-B3-TraceId...).
+func hasTraceContext(hs []decoder.Header, fields []string) bool {
 	for _, h := range hs {
-		if strings.EqualFold(h.Key, "traceparent") {
-			return true
+		for _, f := range fields {
+			if strings.EqualFold(h.Key, f) {
+				return true
+			}
 		}
 	}
 	return false

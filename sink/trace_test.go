@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"go.opentelemetry.io/contrib/propagators/b3"
+
 	"github.com/jetbox-dev/jetbox/sink/format"
 
 	"github.com/jetbox-dev/jetbox/internal/testenv"
@@ -28,7 +30,7 @@ func traceEvent(headers ...decoder.Header) *decoder.Event {
 // TestTracingOffAllocatesNothing: with no tracer provider the publish
 // path's hooks are nil checks.
 func TestTracingOffAllocatesNothing(t *testing.T) {
-	p := &Publisher{tracing: newTracing(nil, "OUTBOX", "")}
+	p := &Publisher{tracing: newTracing(Config{Stream: "OUTBOX"})}
 	if p.tracing != nil {
 		t.Fatal("tracing on without a provider")
 	}
@@ -55,7 +57,7 @@ func TestTracingOffAllocatesNothing(t *testing.T) {
 func TestSpanHeaders(t *testing.T) {
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
-	p := &Publisher{tracing: newTracing(tp, "OUTBOX", "")}
+	p := &Publisher{tracing: newTracing(Config{Stream: "OUTBOX", TracerProvider: tp})}
 	const parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 	for _, key := range []string{"traceparent", "TraceParent", ""} {
 		var ev *decoder.Event
@@ -94,7 +96,7 @@ func TestSpanHeaders(t *testing.T) {
 		if ts := h.Get("tracestate"); ts != wantTS {
 			t.Errorf("row key %q: message tracestate %q, want %q", key, ts, wantTS)
 		}
-		if s.SpanKind() != trace.SpanKindProducer || s.Name() != "jetbox publish outbox.order.OrderCreated" {
+		if s.SpanKind() != trace.SpanKindProducer || s.Name() != "publish outbox.order.OrderCreated" {
 			t.Errorf("span %q kind %v", s.Name(), s.SpanKind())
 		}
 		attrs := map[attribute.Key]attribute.Value{}
@@ -142,7 +144,7 @@ func BenchmarkPublishSpan(b *testing.B) {
 		if on {
 			name = "on"
 			tp = sdktrace.NewTracerProvider(sdktrace.WithBatcher(discardExporter{}), sdktrace.WithSampler(sdktrace.AlwaysSample()))
-			p.tracing = newTracing(tp, "OUTBOX", "")
+			p.tracing = newTracing(Config{Stream: "OUTBOX", TracerProvider: tp})
 		}
 		b.Run(name, func(b *testing.B) {
 			b.ReportAllocs()
@@ -234,8 +236,8 @@ func TestAbandonedSpansEnd(t *testing.T) {
 func TestSpanNameWithAggregateIDs(t *testing.T) {
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
-	cfg := Config{SubjectFilter: "outbox.*.*.*", SubjectsHoldIDs: true}
-	p := &Publisher{tracing: newTracing(tp, "OUTBOX", spanTemplate(cfg))}
+	cfg := Config{Stream: "OUTBOX", TracerProvider: tp, SubjectFilter: "outbox.*.*.*", SubjectsHoldIDs: true}
+	p := &Publisher{tracing: newTracing(cfg)}
 	ev := traceEvent()
 	ev.Subject = "outbox.order.17.OrderCreated"
 	var tx txText
@@ -250,7 +252,7 @@ func TestSpanNameWithAggregateIDs(t *testing.T) {
 			dest = a.Value.AsString()
 		}
 	}
-	if s.Name() != "jetbox publish outbox.*.*.*" || tmpl != "outbox.*.*.*" || dest != ev.Subject {
+	if s.Name() != "publish outbox.*.*.*" || tmpl != "outbox.*.*.*" || dest != ev.Subject {
 		t.Fatalf("span %q, template %q, destination %q", s.Name(), tmpl, dest)
 	}
 	if spanTemplate(Config{SubjectFilter: "outbox.*.*"}) != "" {
@@ -315,7 +317,7 @@ func mustWriter(t *testing.T, source string) string {
 func TestSpanStartsAtDecode(t *testing.T) {
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
-	p := &Publisher{tracing: newTracing(tp, "OUTBOX", "")}
+	p := &Publisher{tracing: newTracing(Config{Stream: "OUTBOX", TracerProvider: tp})}
 	ev := traceEvent()
 	ev.Decoded = time.Now().Add(-time.Second)
 	ev.WALSent = ev.Decoded.Add(-time.Millisecond)
@@ -333,5 +335,27 @@ func TestSpanStartsAtDecode(t *testing.T) {
 	}
 	if sent != ev.WALSent.UnixNano() {
 		t.Errorf("%s = %d, want the walsender's send time %d", AttrWALSent, sent, ev.WALSent.UnixNano())
+	}
+}
+
+// TestSpanHeadersB3: with another propagator (OTEL_PROPAGATORS=b3) the
+// span continues the row's B3 context and the message carries the span's,
+// in B3 too.
+func TestSpanHeadersB3(t *testing.T) {
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	p := &Publisher{tracing: newTracing(Config{Stream: "OUTBOX", TracerProvider: tp, Propagator: b3.New()})}
+	ev := traceEvent(decoder.Header{Key: "b3", Value: "4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-1"})
+	var tx txText
+	h := p.header(ev, &tx, 2)
+	span := p.startSpan(ev, h)
+	sc := span.SpanContext()
+	endSpan(span, 7, false, nil)
+	s := rec.Ended()[0]
+	if s.Parent().TraceID().String() != "4bf92f3577b34da6a3ce929d0e0e4736" || s.Parent().SpanID().String() != "00f067aa0ba902b7" {
+		t.Fatalf("parent %v, want the row's b3 context", s.Parent())
+	}
+	if want := sc.TraceID().String() + "-" + sc.SpanID().String() + "-1"; h.Get("b3") != want || h.Get("traceparent") != "" {
+		t.Fatalf("message headers %v, want b3 %s and no traceparent", h, want)
 	}
 }

@@ -84,13 +84,13 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 		return exitConfig
 	}
 	defer ops.close()
-	tp, stopTracing, err := startTracing(ctx, cfg.Metrics, log) // tracing.go
+	tp, prop, stopTracing, err := startTracing(ctx, cfg.Metrics, log) // tracing.go
 	if err != nil {
 		printProblems(stderr, "tracing", err)
 		return exitConfig
 	}
 	defer stopTracing() // after the last ack: exports the last spans, bounded
-	cfg.Sink.TracerProvider = tp
+	cfg.Sink.TracerProvider, cfg.Sink.Propagator = tp, prop
 	cfg.Replication.StampDecoded = tp != nil // spans start at decode
 	if os.Getenv("GOMEMLIMIT") == "" && tp == nil {
 		// A soft limit for the heap the window holds at most: with large

@@ -4,6 +4,7 @@ package main
 // standard OTEL_* variables, off unless an OTLP endpoint is set.
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -17,9 +18,10 @@ import (
 	"github.com/jetbox-dev/jetbox/sink"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
+	"go.opentelemetry.io/contrib/exporters/autoexport"
+	"go.opentelemetry.io/contrib/propagators/autoprop"
 	"go.opentelemetry.io/otel"
-	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracegrpc"
-	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp"
+	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/sdk/resource"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	semconv "go.opentelemetry.io/otel/semconv/v1.43.0"
@@ -31,27 +33,33 @@ const tracingShutdownTimeout = 5 * time.Second
 // defaultSpanQueue is the SDK's default OTEL_BSP_MAX_QUEUE_SIZE.
 const defaultSpanQueue = 2048
 
-// startTracing returns the tracer provider the OTEL_* variables describe,
-// and its shutdown (which exports the queued spans, bounded); a nil
-// provider when tracing is off: no OTLP endpoint, OTEL_SDK_DISABLED=true or
-// OTEL_TRACES_EXPORTER=none.
-func startTracing(ctx context.Context, m *metrics.Metrics, log zerolog.Logger) (sink.TracerProvider, func(), error) {
+// startTracing returns the tracer provider and the propagator the OTEL_*
+// variables describe, and the provider's shutdown (which exports the queued
+// spans, bounded); a nil provider when tracing is off: neither an OTLP
+// endpoint nor OTEL_TRACES_EXPORTER given, OTEL_SDK_DISABLED=true or
+// OTEL_TRACES_EXPORTER=none. The exporter comes from OTEL_TRACES_EXPORTER
+// (otlp, console) and the propagator from OTEL_PROPAGATORS, as the
+// OpenTelemetry contrib packages autoexport and autoprop read them.
+func startTracing(ctx context.Context, m *metrics.Metrics, log zerolog.Logger) (sink.TracerProvider, propagation.TextMapPropagator, func(), error) {
 	off := func() {}
 	getenv := os.Getenv // the SDK and the exporters read the same variables
 	endpoint := getenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
 	if endpoint == "" {
 		endpoint = getenv("OTEL_EXPORTER_OTLP_ENDPOINT")
 	}
-	if endpoint == "" || strings.EqualFold(getenv("OTEL_SDK_DISABLED"), "true") {
-		return nil, off, nil
+	exporter := getenv("OTEL_TRACES_EXPORTER")
+	if (endpoint == "" && exporter == "") || exporter == "none" || strings.EqualFold(getenv("OTEL_SDK_DISABLED"), "true") {
+		return nil, nil, off, nil
 	}
 	var errs []error
-	switch e := getenv("OTEL_TRACES_EXPORTER"); e {
-	case "", "otlp":
-	case "none":
-		return nil, off, nil
+	switch exporter {
+	case "", "otlp", "console":
 	default:
-		errs = append(errs, fmt.Errorf("OTEL_TRACES_EXPORTER = %q: jetbox exports traces over OTLP only; fix: unset it, or set otlp (or none)", e))
+		errs = append(errs, fmt.Errorf("OTEL_TRACES_EXPORTER = %q: not an exporter jetbox has; fix: unset it (otlp), or set otlp, console (spans as JSON on stdout) or none", exporter))
+	}
+	prop, err := propagatorFromEnv(getenv)
+	if err != nil {
+		errs = append(errs, err)
 	}
 	protocol, penv := getenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"), "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
 	if protocol == "" {
@@ -73,20 +81,14 @@ func startTracing(ctx context.Context, m *metrics.Metrics, log zerolog.Logger) (
 		queue = n
 	}
 	if len(errs) > 0 {
-		return nil, off, errors.Join(errs...)
+		return nil, nil, off, errors.Join(errs...)
 	}
 
 	// The exporters read the other OTEL_EXPORTER_OTLP_* variables (headers,
 	// timeout, compression, certificates) themselves.
-	var exp sdktrace.SpanExporter
-	var err error
-	if protocol == "grpc" {
-		exp, err = otlptracegrpc.New(ctx)
-	} else {
-		exp, err = otlptracehttp.New(ctx)
-	}
+	exp, err := autoexport.NewSpanExporter(ctx)
 	if err != nil {
-		return nil, off, fmt.Errorf("OTLP trace exporter (%s, %s): %w", protocol, endpoint, err)
+		return nil, nil, off, fmt.Errorf("trace exporter (%s, %s, %s): %w", cmp.Or(exporter, "otlp"), protocol, endpoint, err)
 	}
 	// service.name "jetbox" unless OTEL_SERVICE_NAME or
 	// OTEL_RESOURCE_ATTRIBUTES say otherwise (later detectors win).
@@ -105,14 +107,30 @@ func startTracing(ctx context.Context, m *metrics.Metrics, log zerolog.Logger) (
 	gate.SpanProcessor = bsp
 	// The sampler comes from OTEL_TRACES_SAMPLER(_ARG), the batching from OTEL_BSP_*.
 	tp := sdktrace.NewTracerProvider(sdktrace.WithResource(res), sdktrace.WithSpanProcessor(gate))
-	tlog.Info().Str("endpoint", endpoint).Str("protocol", protocol).Int("queue", queue).Msg("tracing on: one span per event")
-	return tp, func() {
+	tlog.Info().Str("exporter", cmp.Or(exporter, "otlp")).Str("endpoint", endpoint).Str("protocol", protocol).Int("queue", queue).
+		Strs("propagators", prop.Fields()).Msg("tracing on: one span per event")
+	return tp, prop, func() {
 		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), tracingShutdownTimeout)
 		defer cancel()
 		if err := tp.Shutdown(sctx); err != nil {
 			tlog.Warn().Err(err).Msg("tracing: export the last spans")
 		}
 	}, nil
+}
+
+// propagatorFromEnv is the propagator OTEL_PROPAGATORS names (autoprop:
+// tracecontext, baggage, b3, b3multi, jaeger, xray, ottrace, none), W3C
+// trace context and baggage when it is unset.
+func propagatorFromEnv(getenv func(string) string) (propagation.TextMapPropagator, error) {
+	v := getenv("OTEL_PROPAGATORS")
+	if v == "" {
+		return autoprop.NewTextMapPropagator(), nil
+	}
+	prop, err := autoprop.TextMapPropagator(strings.Split(v, ",")...)
+	if err != nil {
+		return nil, fmt.Errorf("OTEL_PROPAGATORS = %q: %v; fix: a comma-separated list of tracecontext (the default, with baggage), baggage, b3, b3multi, jaeger, xray, ottrace, or none", v, err)
+	}
+	return prop, nil
 }
 
 // checkSampler checks OTEL_TRACES_SAMPLER(_ARG), which the SDK would

@@ -10,6 +10,8 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -179,7 +181,7 @@ func TestTracing(t *testing.T) {
 			t.Fatalf("event %s: %d spans, want 1", m.ID, len(got))
 		}
 		s := got[0]
-		if want := "jetbox publish " + m.Subject; s.Name != want {
+		if want := "publish " + m.Subject; s.Name != want {
 			t.Errorf("event %s: span %q, want %q", m.ID, s.Name, want)
 		}
 		if s.Kind != tracepb.Span_SPAN_KIND_PRODUCER {
@@ -195,6 +197,7 @@ func TestTracing(t *testing.T) {
 			"messaging.system": "nats", "messaging.destination.name": m.Subject, "messaging.operation.type": "send",
 			"jetbox.commit_lsn": m.Header.Get(format.HeaderCommitLSN), "jetbox.tx_index": m.Header.Get(format.HeaderTxIndex),
 			"jetbox.stream": "OUTBOX", "jetbox.stream_sequence": strconv.FormatUint(m.Seq, 10), "jetbox.outcome": "published",
+			"server.address": "127.0.0.1", "server.port": natsPort(t, f.natURL),
 		} {
 			if got := attrString(s.Attributes, k); got != want {
 				t.Errorf("event %s: span attribute %s = %q, want %q", m.ID, k, got, want)
@@ -281,7 +284,7 @@ func TestTracing(t *testing.T) {
 func TestTracingOff(t *testing.T) {
 	m := metrics.New()
 	otelVars := []string{"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER",
-		"OTEL_SERVICE_NAME", "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_BSP_MAX_QUEUE_SIZE"}
+		"OTEL_SERVICE_NAME", "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_BSP_MAX_QUEUE_SIZE", "OTEL_PROPAGATORS"}
 	setenv := func(kv ...string) {
 		for _, k := range otelVars {
 			t.Setenv(k, "")
@@ -297,25 +300,33 @@ func TestTracingOff(t *testing.T) {
 		{"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:1", "OTEL_TRACES_EXPORTER", "none"},
 	} {
 		setenv(env...)
-		tp, stop, err := startTracing(context.Background(), m, zerolog.Nop())
+		tp, _, stop, err := startTracing(context.Background(), m, zerolog.Nop())
 		if err != nil || tp != nil {
 			t.Fatalf("%v: tracing on (%v) or error %v", env, tp, err)
 		}
 		stop()
 	}
+	// The console exporter needs no endpoint; OTEL_PROPAGATORS picks the propagator.
+	setenv("OTEL_TRACES_EXPORTER", "console", "OTEL_PROPAGATORS", "b3multi")
+	tp, prop, stop, err := startTracing(context.Background(), m, zerolog.Nop())
+	if err != nil || tp == nil || !slices.Contains(prop.Fields(), "x-b3-traceid") {
+		t.Fatalf("console exporter, b3multi: provider %v, propagator fields %v, error %v", tp, prop, err)
+	}
+	stop()
 	setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:1",
-		"OTEL_EXPORTER_OTLP_PROTOCOL", "http/json", "OTEL_TRACES_SAMPLER", "sometimes", "OTEL_BSP_MAX_QUEUE_SIZE", "-1")
-	_, _, err := startTracing(context.Background(), m, zerolog.Nop())
+		"OTEL_EXPORTER_OTLP_PROTOCOL", "http/json", "OTEL_TRACES_SAMPLER", "sometimes", "OTEL_BSP_MAX_QUEUE_SIZE", "-1",
+		"OTEL_TRACES_EXPORTER", "zipkin", "OTEL_PROPAGATORS", "tracecontext,smoke-signals")
+	_, _, _, err = startTracing(context.Background(), m, zerolog.Nop())
 	if err == nil {
 		t.Fatal("bad OTEL_* values accepted")
 	}
-	for _, want := range []string{"OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_TRACES_SAMPLER", "OTEL_BSP_MAX_QUEUE_SIZE"} {
+	for _, want := range []string{"OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_TRACES_SAMPLER", "OTEL_BSP_MAX_QUEUE_SIZE", "OTEL_TRACES_EXPORTER", "OTEL_PROPAGATORS"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("error %q does not name %s", err, want)
 		}
 	}
-	if n := len(err.(interface{ Unwrap() []error }).Unwrap()); n != 3 {
-		t.Errorf("%d problems reported, want 3: %v", n, err)
+	if n := len(err.(interface{ Unwrap() []error }).Unwrap()); n != 5 {
+		t.Errorf("%d problems reported, want 5: %v", n, err)
 	}
 }
 
@@ -422,7 +433,7 @@ func TestTracingExportsGRPC(t *testing.T) {
 	t.Setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://"+l.Addr().String())
 	t.Setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
 	t.Setenv("OTEL_BSP_SCHEDULE_DELAY", "3600000")
-	tp, stop, err := startTracing(context.Background(), metrics.New(), zerolog.Nop())
+	tp, _, stop, err := startTracing(context.Background(), metrics.New(), zerolog.Nop())
 	if err != nil || tp == nil {
 		t.Fatalf("tracing not on: %v", err)
 	}
@@ -434,4 +445,14 @@ func TestTracingExportsGRPC(t *testing.T) {
 	if len(svc.spans) != 1 || svc.spans[0].Name != "jetbox publish x" || svc.spans[0].service != "jetbox" {
 		t.Fatalf("received %v, want the one span, service.name jetbox", svc.spans)
 	}
+}
+
+// natsPort is the port of a nats:// URL.
+func natsPort(t *testing.T, u string) string {
+	t.Helper()
+	pu, err := url.Parse(u)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pu.Port()
 }
