@@ -68,3 +68,24 @@ func TestLogLineTimeAndDurations(t *testing.T) {
 		t.Fatalf("backoff %v, want 1.5s", line["backoff"])
 	}
 }
+
+// TestRunHelp: jetbox run --help groups the flags, shows typed placeholders
+// with their defaults (not --partitions="0"), and names the OTEL_*
+// variables that configure tracing.
+func TestRunHelp(t *testing.T) {
+	var out, errOut bytes.Buffer
+	if code := realMain([]string{"run", "--help"}, &out, &errOut); code != exitOK {
+		t.Fatalf("exit %d: %s", code, errOut.String())
+	}
+	help := out.String()
+	for _, want := range []string{"Postgres and the outbox", "NATS", "Stream and subjects", "Delivery and recovery", "Timing and limits",
+		"Operations (HTTP, logs)", "Outbox columns", "--partitions=N", "(default: 0)", "--status-interval=DURATION", "OTEL_PROPAGATORS",
+		"OTEL_EXPORTER_OTLP_ENDPOINT", "--atomic-transactions "} {
+		if !strings.Contains(help, want) {
+			t.Errorf("run --help lacks %q", want)
+		}
+	}
+	if strings.Contains(help, `--partitions="0"`) {
+		t.Error(`run --help shows --partitions="0"`)
+	}
+}

@@ -113,6 +113,7 @@ func newParser(c *cli, stdout, stderr io.Writer, exitCode *int) (*kong.Kong, err
 		kong.Exit(func(code int) { *exitCode = code }),
 		kong.Vars(flagVars),
 		kong.Vars{"version": versionLine()},
+		kong.ExplicitGroups(flagGroups),
 	)
 }
 
