@@ -119,3 +119,42 @@ func TestContinuousAudit(t *testing.T) {
 	a.stop()
 	b.stop()
 }
+
+// TestAuditRunRate measures the stream's rate with and without the
+// continuous audit on JETBOX_AUDIT_RUN_ROWS rows (skipped when unset;
+// docs/performance.md has the figure): rows inserted in transactions of
+// 10,000 while jetbox run streams, timed from the first insert to the last
+// message stored; with the audit every second and no grace, so that audits
+// overlap the stream throughout.
+func TestAuditRunRate(t *testing.T) {
+	testenv.SkipIfShort(t)
+	n := envInt("JETBOX_AUDIT_RUN_ROWS", 0)
+	if n == 0 {
+		t.Skip("set JETBOX_AUDIT_RUN_ROWS")
+	}
+	for _, mode := range []struct {
+		name string
+		env  []string
+	}{{"off", nil}, {"every 1s", []string{"JETBOX_AUDIT_INTERVAL=1s", "JETBOX_AUDIT_GRACE=0s"}}} {
+		t.Run(mode.name, func(t *testing.T) {
+			f := newFixture(t)
+			addr := httpAddr(t)
+			p := f.start(append(mode.env, "JETBOX_HTTP_ADDR="+addr)...)
+			f.waitStreaming(p)
+			began := time.Now()
+			for done := 0; done < n; done += 10_000 {
+				f.pg.Exec(t, `INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+					SELECT 'order', 'o-' || g, 'OrderCreated', jsonb_build_object('n', g) FROM generate_series(1, $1) g`, min(10_000, n-done))
+			}
+			f.waitCount(n, 10*time.Minute)
+			el := time.Since(began)
+			m := scrape(t, addr)
+			runs := 0.0
+			for _, r := range []string{"complete", "found", "undecided", "error"} {
+				runs += m[fmt.Sprintf("jetbox_audit_runs_total{result=%q}", r)]
+			}
+			t.Logf("audit %s: %d rows streamed in %s, %.0f rows/s, %.0f audits", mode.name, n, el.Round(time.Millisecond), float64(n)/el.Seconds(), runs)
+			p.stop()
+		})
+	}
+}
