@@ -29,15 +29,14 @@ const exitFound = 1
 // stream, once (see "Proving the stream complete" in docs/operations.md).
 type auditCmd struct {
 	RunFlags
-	Since           string `name:"since" env:"JETBOX_AUDIT_SINCE" help:"Audit rows from this time on: RFC 3339, or a duration back from now (24h). Default: the oldest row the table holds." placeholder:"TIME"`
-	Until           string `name:"until" env:"JETBOX_AUDIT_UNTIL" help:"Audit rows up to this time: RFC 3339, or a duration back from now. Default: now minus --grace." placeholder:"TIME"`
-	Grace           string `name:"grace" env:"JETBOX_AUDIT_GRACE" default:"1m" help:"With the default --until: leave out the rows of the last grace, which jetbox run may not have published yet."`
-	Margin          string `name:"margin" env:"JETBOX_AUDIT_MARGIN" default:"10m" help:"The longest transaction plus the clock skew between Postgres and NATS: how far before --since the stream is read, and how long after its order key a row's message may commit."`
-	CreatedAtColumn string `name:"created-at-column" env:"JETBOX_CREATED_AT_COLUMN" default:"created_at" help:"Insert-time column (timestamptz) ordering the rows when track_commit_timestamp is off."`
-	JSON            bool   `name:"json" env:"JETBOX_AUDIT_JSON" help:"Print the report as JSON on stdout."`
-	Strict          bool   `name:"strict" env:"JETBOX_AUDIT_STRICT" help:"Count stream messages whose id the table does not hold as a defect (exit 1): for an outbox that no job deletes from, and no other writer."`
-	PageSize        string `name:"page-size" env:"JETBOX_AUDIT_PAGE_SIZE" default:"10000" help:"Rows read per query."`
-	Progress        string `name:"progress-interval" env:"JETBOX_AUDIT_PROGRESS_INTERVAL" default:"5s" help:"How often to print progress (rows and messages read) on stderr."`
+	Since    string `name:"since" env:"JETBOX_AUDIT_SINCE" help:"Audit rows from this time on: RFC 3339, or a duration back from now (24h). Default: the oldest row the table holds." placeholder:"TIME"`
+	Until    string `name:"until" env:"JETBOX_AUDIT_UNTIL" help:"Audit rows up to this time: RFC 3339, or a duration back from now. Default: now minus --grace." placeholder:"TIME"`
+	Grace    string `name:"grace" env:"JETBOX_AUDIT_GRACE" default:"1m" help:"With the default --until: leave out the rows of the last grace, which jetbox run may not have published yet."`
+	Margin   string `name:"margin" env:"JETBOX_AUDIT_MARGIN" default:"10m" help:"The longest transaction plus the clock skew between Postgres and NATS: how far before --since the stream is read, and how long after its order key a row's message may commit."`
+	JSON     bool   `name:"json" env:"JETBOX_AUDIT_JSON" help:"Print the report as JSON on stdout."`
+	Strict   bool   `name:"strict" env:"JETBOX_AUDIT_STRICT" help:"Count stream messages whose id the table does not hold as a defect (exit 1): for an outbox that no job deletes from, and no other writer."`
+	PageSize string `name:"page-size" env:"JETBOX_AUDIT_PAGE_SIZE" default:"10000" help:"Rows read per query."`
+	Progress string `name:"progress-interval" env:"JETBOX_AUDIT_PROGRESS_INTERVAL" default:"5s" help:"How often to print progress (rows and messages read) on stderr."`
 }
 
 // auditSettings are an audit's validated flags.
@@ -171,17 +170,14 @@ func (a *auditor) run(ctx context.Context) (int, error) {
 	if err != nil {
 		return exitFailure, err
 	}
-	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	st, err := js.Stream(sctx, cfg.Sink.Stream)
-	if errors.Is(err, jetstream.ErrStreamNotFound) {
-		return exitConfig, &undecided{fmt.Sprintf("stream %q does not exist", cfg.Sink.Stream), "check --stream (jetbox run creates it)"}
-	}
+	st, sr, err := openStream(ctx, js, cfg.Sink.Stream)
 	if err != nil {
-		return exitFailure, fmt.Errorf("look up stream %q: %w", cfg.Sink.Stream, err)
+		var u *undecided
+		if errors.As(err, &u) {
+			return exitConfig, err
+		}
+		return exitFailure, err
 	}
-	info := st.CachedInfo()
-	sr := streamRange{first: info.State.FirstSeq, last: info.State.LastSeq, firstTime: info.State.FirstTime, msgs: info.State.Msgs, cfg: info.Config}
 
 	tbl, err := replication.OpenAuditTable(ctx, cfg.PostgresURL, cfg.Replication, a.s.createdAt, a.s.margin)
 	if err != nil {
@@ -211,20 +207,41 @@ func (a *auditor) run(ctx context.Context) (int, error) {
 		return exitConfig, err
 	}
 
-	acfg := audit.Config{Since: since, Until: a.s.until, Margin: a.s.margin, ExactlyOnce: cfg.Sink.ExactlyOnce, First: 10}
-	aud := audit.New(acfg, a.rowFunc(tbl, since), tbl.Lookup)
 	a.started = time.Now()
 	stop := a.startProgress()
-	err = a.readStream(ctx, st, sr, since, aud)
-	var rep audit.Report
-	if err == nil {
-		rep, err = aud.Finish(ctx)
-	}
+	rep, err := a.compare(ctx, st, sr, tbl, since)
 	stop()
 	if err != nil {
 		return exitFailure, err
 	}
 	return a.report(rep, since, tbl.Order, sr)
+}
+
+// openStream looks up the stream and what it holds now; a stream that
+// does not exist is undecided.
+func openStream(ctx context.Context, js jetstream.JetStream, name string) (jetstream.Stream, streamRange, error) {
+	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	st, err := js.Stream(sctx, name)
+	if errors.Is(err, jetstream.ErrStreamNotFound) {
+		return nil, streamRange{}, &undecided{fmt.Sprintf("stream %q does not exist", name), "check --stream (jetbox run creates it)"}
+	}
+	if err != nil {
+		return nil, streamRange{}, fmt.Errorf("look up stream %q: %w", name, err)
+	}
+	info := st.CachedInfo()
+	return st, streamRange{first: info.State.FirstSeq, last: info.State.LastSeq, firstTime: info.State.FirstTime, msgs: info.State.Msgs, cfg: info.Config}, nil
+}
+
+// compare audits the rows from since to the settings' until against the
+// stream, in one pass over each.
+func (a *auditor) compare(ctx context.Context, st jetstream.Stream, sr streamRange, tbl *replication.AuditTable, since time.Time) (audit.Report, error) {
+	acfg := audit.Config{Since: since, Until: a.s.until, Margin: a.s.margin, ExactlyOnce: a.s.cfg.Sink.ExactlyOnce, First: 10}
+	aud := audit.New(acfg, a.rowFunc(tbl, since), tbl.Lookup)
+	if err := a.readStream(ctx, st, sr, since, aud); err != nil {
+		return audit.Report{}, err
+	}
+	return aud.Finish(ctx)
 }
 
 // judgeable refuses a range whose start the stream no longer holds: its

@@ -71,6 +71,7 @@ var flagGroups = []kong.Group{
 	{Key: "delivery", Title: "Delivery and recovery"},
 	{Key: "timing", Title: "Timing and limits"},
 	{Key: "ops", Title: "Operations (HTTP, logs)"},
+	{Key: "audit", Title: "Continuous audit"},
 }
 
 // Help lists, below the description, what only variables configure.
@@ -152,6 +153,11 @@ type RunFlags struct {
 	MaxOutage        string   `name:"max-outage" env:"JETBOX_MAX_OUTAGE" default:"10m" help:"Worst-case outage to plan for: check warns when the stream's duplicate window is shorter (default: ${default})." group:"timing" placeholder:"DURATION"`
 	LogLevel         string   `name:"log-level" env:"JETBOX_LOG_LEVEL" default:"info" help:"debug, info, warn or error." group:"ops"`
 	LogFormat        string   `name:"log-format" env:"JETBOX_LOG_FORMAT" default:"json" help:"json or console." group:"ops"`
+
+	AuditInterval   string `name:"audit-interval" env:"JETBOX_AUDIT_INTERVAL" default:"0s" help:"jetbox run, the instance that streams: compare each new window of the outbox table with the stream this often (jetbox audit, continuously: metrics jetbox_audit_*, /readyz); 0 disables (default: ${default})." group:"audit" placeholder:"DURATION"`
+	AuditGrace      string `name:"audit-grace" env:"JETBOX_AUDIT_GRACE" default:"1m" help:"With --audit-interval: audit a row once it is this old (longer than the replication lag, and with --created-at-column as the key than the longest transaction) (default: ${default})." group:"audit" placeholder:"DURATION"`
+	AuditMargin     string `name:"audit-margin" env:"JETBOX_AUDIT_MARGIN" default:"10m" help:"With --audit-interval: the longest transaction plus the clock skew between Postgres and NATS (jetbox audit's --margin) (default: ${default})." group:"audit" placeholder:"DURATION"`
+	CreatedAtColumn string `name:"created-at-column" env:"JETBOX_CREATED_AT_COLUMN" default:"created_at" help:"Insert-time column (timestamptz) ordering the rows of jetbox repair and the audits when track_commit_timestamp is off." group:"columns"`
 }
 
 // Config is the validated configuration of `jetbox run`.
@@ -171,6 +177,15 @@ type Config struct {
 	LogLevel        zerolog.Level
 	LogConsole      bool
 	Metrics         *metrics.Metrics // set by run
+	// Audit is the continuous audit of jetbox run (--audit-interval).
+	Audit AuditLoopConfig
+}
+
+// AuditLoopConfig configures the continuous audit (auditloop.go).
+type AuditLoopConfig struct {
+	Interval, Grace, Margin time.Duration // Interval 0: off
+	PageSize                int
+	CreatedAtColumn         string
 }
 
 // NATSAuth is how jetbox authenticates to NATS and verifies it.
@@ -394,6 +409,11 @@ func (f *RunFlags) Config() (Config, error) {
 	}
 	c.MaxOutage = dur("max-outage", f.MaxOutage, 0, 0)
 	c.FinalScrapeWait = dur("final-scrape-wait", f.FinalScrape, 0, 10*time.Minute)
+	c.Audit = AuditLoopConfig{Interval: dur("audit-interval", f.AuditInterval, 0, 24*time.Hour), Grace: dur("audit-grace", f.AuditGrace, 0, 24*time.Hour),
+		Margin: dur("audit-margin", f.AuditMargin, 0, 24*time.Hour), PageSize: 10_000, CreatedAtColumn: f.CreatedAtColumn}
+	if c.Audit.Interval > 0 && c.Audit.Interval < time.Second {
+		bad("audit-interval", f.AuditInterval, "shorter than 1s", "use 0 (off) or e.g. 1h")
+	}
 	spec, dupWindow := f.streamSpec(bad, dur, publishTimeout, c.MaxOutage)
 	monitorInterval := dur("monitor-interval", f.MonitorInterval, 100*time.Millisecond, time.Hour)
 	maxRetained, err := parseBytes(f.MaxRetainedWAL)
@@ -465,6 +485,10 @@ func (f *RunFlags) Config() (Config, error) {
 	}
 	if f.LogFormat != "json" && f.LogFormat != "console" {
 		bad("log-format", f.LogFormat, "unknown format", "use json or console")
+	}
+	if c.Audit.Interval > 0 && !fromTable {
+		bad("audit-interval", f.AuditInterval, "the audit compares the outbox table's rows with the stream, and --source=messages has no table",
+			"drop --audit-interval (0), or audit a table source")
 	}
 	if len(errs) > 0 {
 		return Config{}, errors.Join(errs...)

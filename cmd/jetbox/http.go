@@ -25,6 +25,7 @@ type opsServer struct {
 	ln       net.Listener
 	streamer atomic.Pointer[replication.Streamer]
 	nats     atomic.Pointer[sink.Publisher] // /healthz fails once its connection is CLOSED
+	audit    atomic.Pointer[auditLoop]      // the continuous audit's warning, if on
 
 	scrapeMu sync.Mutex
 	scraped  chan struct{} // closed by the next /metrics response (awaitScrape)
@@ -109,6 +110,9 @@ func (o *opsServer) ready(w http.ResponseWriter, req *http.Request) {
 		}
 		if st.Err != "" {
 			r.Warnings = append(r.Warnings, "slot monitor: "+st.Err)
+		}
+		if w := o.audit.Load().Warning(); w != "" {
+			r.Warnings = append(r.Warnings, w)
 		}
 	}
 	w.Header().Set("Content-Type", "application/json")

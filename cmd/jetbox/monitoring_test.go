@@ -361,6 +361,10 @@ var alertScenarios = []struct {
 		jetbox_reconnects_total{job="jetbox", instance="a", side="nats"} 0+0.2x30
 		jetbox_seconds_since_last_ack{job="jetbox", instance="a"} 2x30
 		jetbox_seconds_since_last_ack{job="jetbox", instance="b"} 0+60x30
+		jetbox_audit_missing_rows{job="jetbox", instance="a"} 0x30
+		jetbox_audit_missing_rows{job="jetbox", instance="b"} 0x30
+		jetbox_audit_complete_until_timestamp_seconds{job="jetbox", instance="a"} 0+60x30
+		jetbox_audit_complete_until_timestamp_seconds{job="jetbox", instance="b"} 0x30
 	`, nil},
 	{"nothing acked for 20 minutes while behind", `
 		up{job="jetbox", instance="a"} 1x30
@@ -444,6 +448,25 @@ var alertScenarios = []struct {
 		jetbox_end_to_end_latency_seconds_bucket{job="jetbox", instance="a", le="5"} 0+100x30
 		jetbox_end_to_end_latency_seconds_bucket{job="jetbox", instance="a", le="+Inf"} 0+100x30
 	`, []string{"JetboxSlowDelivery"}},
+	{"the continuous audit finds rows missing", `
+		up{job="jetbox", instance="a"} 1x30
+		up{job="jetbox", instance="b"} 1x30
+		STATE a streaming
+		STATE b standby
+		jetbox_audit_missing_rows{job="jetbox", instance="a"} 0x20 3x10
+		jetbox_audit_missing_rows{job="jetbox", instance="b"} 0x30
+		jetbox_audit_complete_until_timestamp_seconds{job="jetbox", instance="a"} 0+60x20 1200x10
+		jetbox_audit_complete_until_timestamp_seconds{job="jetbox", instance="b"} 0x30
+	`, []string{"JetboxAuditGap"}},
+	{"the continuous audit stopped advancing", `
+		up{job="jetbox", instance="a"} 1x30
+		up{job="jetbox", instance="b"} 1x30
+		STATE a streaming
+		STATE b standby
+		jetbox_audit_missing_rows{job="jetbox", instance="a"} 0x30
+		jetbox_audit_complete_until_timestamp_seconds{job="jetbox", instance="a"} -20000x30
+		jetbox_audit_complete_until_timestamp_seconds{job="jetbox", instance="b"} 0x30
+	`, []string{"JetboxAuditStalled"}},
 	{"flapping NATS connection", `
 		up{job="jetbox", instance="a"} 1x30
 		STATE a streaming

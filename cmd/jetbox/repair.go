@@ -23,12 +23,11 @@ import (
 // outbox table still holds (see "Repair and backfill" in docs/operations.md).
 type repairCmd struct {
 	RunFlags
-	Since           string `name:"since" env:"JETBOX_REPAIR_SINCE" help:"Repair rows from this RFC 3339 time on (commit timestamp with track_commit_timestamp on, else the created-at column). Default: from the stream's last event's commit time minus --margin, or every row when the stream is empty." placeholder:"TIME"`
-	All             bool   `name:"all" env:"JETBOX_REPAIR_ALL" help:"Repair every row of the table (reads every id of the stream)."`
-	Margin          string `name:"margin" env:"JETBOX_REPAIR_MARGIN" default:"10m" help:"Overlap read before the start time: longest transaction plus clock skew between Postgres and NATS."`
-	CreatedAtColumn string `name:"created-at-column" env:"JETBOX_CREATED_AT_COLUMN" default:"created_at" help:"Insert-time column (timestamptz) ordering and filtering the rows when track_commit_timestamp is off."`
-	DryRun          bool   `name:"dry-run" help:"Print what is missing from the stream (count, first and last ids and times); publish, create and drop nothing."`
-	Progress        string `name:"progress-interval" env:"JETBOX_REPAIR_PROGRESS_INTERVAL" default:"5s" help:"How often to print progress on stderr."`
+	Since    string `name:"since" env:"JETBOX_REPAIR_SINCE" help:"Repair rows from this RFC 3339 time on (commit timestamp with track_commit_timestamp on, else the created-at column). Default: from the stream's last event's commit time minus --margin, or every row when the stream is empty." placeholder:"TIME"`
+	All      bool   `name:"all" env:"JETBOX_REPAIR_ALL" help:"Repair every row of the table (reads every id of the stream)."`
+	Margin   string `name:"margin" env:"JETBOX_REPAIR_MARGIN" default:"10m" help:"Overlap read before the start time: longest transaction plus clock skew between Postgres and NATS."`
+	DryRun   bool   `name:"dry-run" help:"Print what is missing from the stream (count, first and last ids and times); publish, create and drop nothing."`
+	Progress string `name:"progress-interval" env:"JETBOX_REPAIR_PROGRESS_INTERVAL" default:"5s" help:"How often to print progress on stderr."`
 }
 
 // repairState is one repair's counters, read by the progress printer.

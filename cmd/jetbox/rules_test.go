@@ -22,7 +22,8 @@ var updateAlerts = flag.Bool("update-alerts", false, "rewrite deploy/prometheus/
 // databaseRules those on the database exporters' series.
 var (
 	jetboxRules = []string{"JetboxDown", "JetboxAllDown", "JetboxNotStreaming", "JetboxStandbyWithoutActive", "JetboxStalled",
-		"JetboxNoRecentAck", "JetboxLagHigh", "JetboxRetainedWAL", "JetboxInvalidRows", "JetboxPublishFailing", "JetboxSlowDelivery", "JetboxReconnecting"}
+		"JetboxNoRecentAck", "JetboxLagHigh", "JetboxRetainedWAL", "JetboxInvalidRows", "JetboxPublishFailing", "JetboxSlowDelivery", "JetboxReconnecting",
+		"JetboxAuditGap", "JetboxAuditStalled"}
 	databaseRules = []string{"JetboxSlotRetainedWAL", "JetboxSlotInactive"}
 )
 

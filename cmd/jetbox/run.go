@@ -138,9 +138,15 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 		log.Error().Err(err).Msg("start replication")
 		return exitConfig
 	}
+	var audits *auditLoop
+	if cfg.Audit.Interval > 0 {
+		audits = newAuditLoop(cfg, streamer.Ready, log)
+		log.Info().Stringer("interval", cfg.Audit.Interval).Stringer("grace", cfg.Audit.Grace).Msg("auditing the stream against the table continuously while streaming")
+	}
 	if ops != nil {
 		ops.streamer.Store(streamer)
 		ops.nats.Store(pub)
+		ops.audit.Store(audits)
 	}
 	if !cfg.Sink.OrderGuard && !cfg.Sink.ExactlyOnce {
 		log.Warn().Msg("--order-guard=false: after a lost publish, later events may be stored before it is republished (out of commit order)")
@@ -157,7 +163,16 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 		case <-rctx.Done():
 		}
 	}()
+	auditDone := make(chan struct{})
+	go func() {
+		defer close(auditDone)
+		if audits != nil {
+			audits.run(rctx)
+		}
+	}()
 	err = streamer.Run(rctx)
+	stop(nil)
+	<-auditDone
 	if errors.Is(context.Cause(rctx), errNATSClosed) && (err == nil || errors.Is(err, context.Canceled)) {
 		err = pub.ClosedError()
 	}

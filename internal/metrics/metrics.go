@@ -50,6 +50,17 @@ type Metrics struct {
 	// IgnoredMessages counts logical decoding messages that published
 	// nothing, per reason (decoder.Ignored*).
 	IgnoredMessages *prometheus.CounterVec
+	// AuditMissing, AuditDuplicates and AuditOutOfOrder are the last
+	// continuous audit's findings (--audit-interval).
+	AuditMissing    prometheus.Gauge
+	AuditDuplicates prometheus.Gauge
+	AuditOutOfOrder prometheus.Gauge
+	// AuditCompleteUntil is the commit time (unix seconds) up to which the
+	// continuous audit proved the stream complete; 0 while this instance
+	// does not audit.
+	AuditCompleteUntil prometheus.Gauge
+	// AuditRuns counts continuous audits per result (Audit*).
+	AuditRuns *prometheus.CounterVec
 	// BuildInfo is jetbox_build_info{version,revision,goversion} 1 (SetBuild).
 	BuildInfo *prometheus.GaugeVec
 
@@ -62,6 +73,17 @@ const (
 	ActionStop       = "stop"
 	ActionDeadLetter = "dead-letter"
 )
+
+// Results of jetbox_audit_runs_total.
+const (
+	AuditComplete  = "complete"  // every row of the window is in the stream, once, in order
+	AuditFound     = "found"     // rows missing, duplicated or out of order
+	AuditUndecided = "undecided" // the window cannot be judged (e.g. the stream's start is gone)
+	AuditError     = "error"     // the audit failed (a server unreachable)
+)
+
+// AuditResults are jetbox_audit_runs_total's results.
+var AuditResults = []string{AuditComplete, AuditFound, AuditUndecided, AuditError}
 
 // New registers jetbox's metrics (and the Go and process collectors) on a new registry.
 func New() *Metrics {
@@ -92,6 +114,16 @@ func New() *Metrics {
 			Help: "Trace spans not exported, per reason: queue_full (the export queue was full: publishing never waits for it) or export_failed."}, []string{"reason"}),
 		IgnoredMessages: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "jetbox_messages_ignored_total",
 			Help: "Logical decoding messages that published nothing, per reason: heartbeat, other-prefix, non-transactional (the outbox prefix emitted with transactional=false: a producer bug)."}, []string{"reason"}),
+		AuditMissing: prometheus.NewGauge(prometheus.GaugeOpts{Name: "jetbox_audit_missing_rows",
+			Help: "Outbox rows the last continuous audit (--audit-interval) found no message for, from jetbox_audit_complete_until_timestamp_seconds on."}),
+		AuditDuplicates: prometheus.NewGauge(prometheus.GaugeOpts{Name: "jetbox_audit_duplicate_messages",
+			Help: "Second messages for one row in the last continuous audit's window."}),
+		AuditOutOfOrder: prometheus.NewGauge(prometheus.GaugeOpts{Name: "jetbox_audit_out_of_order_messages",
+			Help: "Messages whose position is not after their writer's previous one, in the last continuous audit's window."}),
+		AuditCompleteUntil: prometheus.NewGauge(prometheus.GaugeOpts{Name: "jetbox_audit_complete_until_timestamp_seconds",
+			Help: "The commit time up to which the continuous audit proved the stream complete (the start of its first window before one is); 0 while this instance does not audit (a standby, or --audit-interval=0)."}),
+		AuditRuns: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "jetbox_audit_runs_total",
+			Help: "Continuous audits per result: complete, found (missing, duplicated or out of order), undecided (the window cannot be judged), error."}, []string{"result"}),
 		BuildInfo: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "jetbox_build_info",
 			Help: "Always 1: the version and VCS revision jetbox was built from, and the Go version."}, []string{"version", "revision", "goversion"}),
 	}
@@ -100,11 +132,15 @@ func New() *Metrics {
 		m.SecondsSinceLastAck)
 	r.MustRegister(m.Published, m.Duplicates, m.PublishErrors, m.Retries, m.InFlight, m.ConfirmedLSN, m.ServerLSN,
 		m.LagBytes, m.RetainedWAL, m.RetainedOver, m.Latency, m.Transactions, m.Reconnects, m.Heartbeats, m.State, m.InvalidRows, m.SpansDropped, m.IgnoredMessages,
+		m.AuditMissing, m.AuditDuplicates, m.AuditOutOfOrder, m.AuditCompleteUntil, m.AuditRuns,
 		m.BuildInfo, sinceAck, collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.Reconnects.WithLabelValues("postgres")
 	m.Reconnects.WithLabelValues("nats")
 	m.SpansDropped.WithLabelValues("queue_full")
 	m.SpansDropped.WithLabelValues("export_failed")
+	for _, r := range AuditResults {
+		m.AuditRuns.WithLabelValues(r)
+	}
 	m.SetState(StateStarting)
 	return m
 }

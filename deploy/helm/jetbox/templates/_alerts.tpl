@@ -89,6 +89,16 @@ groups:
   "expr" (printf "sum by (namespace, job, side) (increase(jetbox_reconnects_total{%s}[%s])) > %d" $sel $x.window (int64 $x.count))
   "summary" (printf "jetbox {{ $labels.job }} reconnected to {{ $labels.side }} more than %d times in %s" (int64 $x.count) $x.window)
   "description" "") }}
+{{- $x = $r.JetboxAuditGap }}
+{{- $rules = append $rules (dict "name" "JetboxAuditGap" "rule" $x
+  "expr" (printf "max by (namespace, job) (jetbox_audit_missing_rows{%s}) > %d" $sel (int64 $x.rows))
+  "summary" "the continuous audit of {{ $labels.job }} found {{ $value }} outbox rows missing from the stream"
+  "description" "Rows committed after jetbox_audit_complete_until_timestamp_seconds that no stream message carries (--audit-interval). The active instance's log (audit, first_missing) and /readyz name them and give the jetbox repair --since line.") }}
+{{- $x = $r.JetboxAuditStalled }}
+{{- $rules = append $rules (dict "name" "JetboxAuditStalled" "rule" $x
+  "expr" (printf "time() - max by (namespace, job) (jetbox_audit_complete_until_timestamp_seconds{%s} != 0) > %v" $sel $x.seconds)
+  "summary" "the continuous audit of {{ $labels.job }} has proven the stream complete only up to {{ $value | humanizeDuration }} ago"
+  "description" "jetbox_audit_complete_until_timestamp_seconds stopped advancing: audits find rows missing (JetboxAuditGap), cannot judge their window (undecided: see /readyz and the log), fail (jetbox_audit_runs_total{result=\"error\"}), or no longer run.") }}
 {{- $db := $p.database }}
 {{- if $db.source }}
 {{- $slot := $db.slot | default (index .Values.config "slot") | default "jetbox" }}
