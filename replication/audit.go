@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"regexp"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -15,6 +16,7 @@ import (
 // pages on a connection of its own, each page a short statement (no long
 // transaction holds back vacuum).
 type AuditTable struct {
+	mu   sync.Mutex // one query at a time on conn: Page may run beside Lookup
 	conn *pgx.Conn
 	// CommitTimestamps: rows are keyed by their commit timestamp.
 	CommitTimestamps bool
@@ -71,12 +73,18 @@ func OpenAuditTable(ctx context.Context, connString string, cfg Config, createdA
 }
 
 // Close closes the connection.
-func (t *AuditTable) Close(ctx context.Context) { _ = t.conn.Close(ctx) }
+func (t *AuditTable) Close(ctx context.Context) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	_ = t.conn.Close(ctx)
+}
 
 // Oldest returns the smallest order key the table holds; ok is false when
 // it holds no row with one.
 func (t *AuditTable) Oldest(ctx context.Context) (time.Time, bool, error) {
 	var key *time.Time
+	t.mu.Lock()
+	defer t.mu.Unlock()
 	if err := t.conn.QueryRow(ctx, "SELECT min("+t.key+") FROM "+t.table).Scan(&key); err != nil {
 		return time.Time{}, false, fmt.Errorf("read the oldest outbox row: %w", err)
 	}
@@ -110,6 +118,8 @@ func (t *AuditTable) Page(ctx context.Context, since, until time.Time, first boo
 		args = append(args, afterKey, afterID)
 	}
 	q += fmt.Sprintf(" ORDER BY %s, %s LIMIT %d", t.key, t.id, n)
+	t.mu.Lock()
+	defer t.mu.Unlock()
 	rows, err := t.conn.Query(ctx, q, args...)
 	if err != nil {
 		return nil, fmt.Errorf("read the outbox rows: %w", err)
@@ -148,6 +158,8 @@ func (t *AuditTable) Lookup(ctx context.Context, ids []string) (map[string]time.
 	if len(ask) == 0 {
 		return out, nil
 	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
 	rows, err := t.conn.Query(ctx, "SELECT "+t.id+"::text, (extract(epoch FROM "+t.key+") * 1000000)::bigint FROM "+t.table+
 		" WHERE "+t.id+" = ANY($1) AND "+t.key+" IS NOT NULL", ask)
 	if err != nil {
