@@ -196,6 +196,14 @@ type OutboxIdentity struct {
 	LSN pglogrepl.LSN
 }
 
+// ErrUnplacedTable marks a row of a table with the outbox's columns, in
+// the publication of a partitioned outbox that also publishes other
+// tables, which the catalog does not place under the outbox: it may have
+// been one of its partitions when the row was written (detached or
+// dropped since, and pgoutput streams by the catalog of then), or another
+// table. jetbox cannot tell, and stops rather than lose outbox rows.
+var ErrUnplacedTable = errors.New("a table with the outbox's columns that the catalog does not place under the outbox")
+
 // ErrTableReplaced marks a Relation message for the outbox table with
 // another relation OID than the one it had (see OutboxIdentity).
 var ErrTableReplaced = errors.New("outbox table replaced")
@@ -386,6 +394,11 @@ func (d *Decoder) decodeInsert(src []byte) (Message, error) {
 		return Message{}, fmt.Errorf("%w: insert outside a transaction", ErrProtocol)
 	}
 	if !rel.outbox {
+		if rel.unplaced {
+			return Message{}, fmt.Errorf("%w: a row of %s (relation OID %d) in transaction %s: jetbox's publication publishes the partitioned outbox %s.%s and other tables, and %s has the outbox's columns but is no partition of it now; "+
+				"fix: if %s was a partition of the outbox (detached or dropped since), make the publication publish the outbox alone (ALTER PUBLICATION ... SET TABLE %s.%s), after which jetbox reads every other table it streams as one of the outbox's partitions, and restart; if it is another table, give jetbox a publication of the outbox alone and run jetbox repair",
+				ErrUnplacedTable, rel.name, relID, d.commitLSN, d.cfg.Schema, d.cfg.Table, rel.name, rel.name, d.cfg.Schema, d.cfg.Table)
+		}
 		return Message{}, nil
 	}
 	index := d.index

@@ -20,6 +20,11 @@ type relation struct {
 	// partition: a partition of the outbox, whose rows are outbox rows
 	// (see SetPartitions); named: Message.Partition was set on one.
 	partition, named bool
+	// unplaced: not the outbox nor, as the catalog says now, one of its
+	// partitions, yet with the outbox's columns, in the publication of a
+	// partitioned outbox that publishes other tables too (see
+	// ErrUnplacedTable).
+	unplaced bool
 	// column positions in the tuple; -1 when absent
 	id, aggType, aggID, evType, payload, headers int
 	payloadBytea                                 bool
@@ -126,14 +131,18 @@ func (d *Decoder) newRelation(m *pglogrepl.RelationMessage, partition bool) *rel
 	r := &relation{name: m.Namespace + "." + m.RelationName, ncols: len(m.Columns)}
 	r.partition = partition
 	r.outbox = partition || m.Namespace == d.cfg.Schema && m.RelationName == d.cfg.Table
-	if !r.outbox {
-		return r
-	}
 	table := make([]TableColumn, len(m.Columns))
 	for i, col := range m.Columns {
 		table[i] = TableColumn{Name: col.Name, TypeOID: d.domains.BaseType(col.DataType)}
 	}
 	pos, problems := CheckColumns(d.cfg.Columns, table)
+	if !r.outbox {
+		// Another table of a partitioned outbox's publication with the
+		// outbox's columns may have been one of its partitions when its
+		// rows were written (detached or dropped since).
+		r.unplaced = d.partitions != nil && len(problems) == 0
+		return r
+	}
 	r.id, r.aggType, r.aggID, r.evType, r.payload, r.headers =
 		pos.ID, pos.AggregateType, pos.AggregateID, pos.EventType, pos.Payload, pos.Headers
 	if r.payload >= 0 {

@@ -18,7 +18,7 @@ type PermanentError = fault.Permanent
 // IsPermanent reports whether err should stop jetbox rather than reconnect.
 func IsPermanent(err error) bool {
 	var ie *decoder.InvalidEventError
-	if fault.Is(err) || errors.As(err, &ie) || errors.Is(err, decoder.ErrProtocol) || errors.Is(err, decoder.ErrTableReplaced) {
+	if fault.Is(err) || errors.As(err, &ie) || errors.Is(err, decoder.ErrProtocol) || errors.Is(err, decoder.ErrTableReplaced) || errors.Is(err, decoder.ErrUnplacedTable) {
 		return true
 	}
 	var pgErr *pgconn.PgError

@@ -236,7 +236,7 @@ func (s *Streamer) viaRootError(since time.Time) error {
 	at := since.UTC().Format(time.RFC3339)
 	return &PermanentError{
 		Err: fmt.Errorf("publication %q no longer publishes the partitioned table %s through its root: publish_via_partition_root was turned off while jetbox ran, after %s. "+
-			"pgoutput names its rows after the leaf partitions, which jetbox reads as outbox rows (no row is lost that way), but the ALTER PUBLICATION rewrote the publication, and jetbox cannot tell whether its publish setting changed too",
+			"pgoutput names its rows after the leaf partitions, which jetbox reads as outbox rows (in a publication of the outbox alone, even once a partition is dropped), but the ALTER PUBLICATION rewrote the publication, and jetbox cannot tell whether its publish setting changed too",
 			cfg.Publication, cfg.qualifiedTable(), at),
 		Hint: "fix: " + viaRootFix(cfg) + ", then restart jetbox: it goes on from the last row it confirmed. Should the start refuse the publication as altered after the slot's position: if only this option changed, start once with --accept-lost-rows; otherwise " + repairFix(cfg, at),
 	}

@@ -29,6 +29,10 @@ func viaRootFix(cfg Config) string {
 type outboxPartitions struct {
 	Root uint32   // the outbox's OID; 0: it is not a partitioned table
 	OIDs []uint32 // its partitions at every depth
+	// Exclusive: the publication publishes the outbox alone (no other
+	// table, schema or ALL TABLES), so every other table pgoutput streams
+	// in it was one of the outbox's partitions when its rows were written.
+	Exclusive bool
 }
 
 // readPartitions reads the outbox's partitions over conn (a replication
@@ -58,7 +62,37 @@ func readPartitions(ctx context.Context, conn *pgconn.PgConn, cfg Config) (outbo
 		}
 		out.OIDs = append(out.OIDs, uint32(oid))
 	}
+	if out.Root == 0 {
+		return out, nil
+	}
+	if out.Exclusive, err = publishesOutboxAlone(ctx, conn, cfg); err != nil {
+		return out, err
+	}
 	return out, nil
+}
+
+// publishesOutboxAlone reports whether cfg's publication publishes the
+// outbox and nothing else.
+func publishesOutboxAlone(ctx context.Context, conn *pgconn.PgConn, cfg Config) (bool, error) {
+	res, err := conn.Exec(ctx, "SELECT current_setting('server_version_num')").ReadAll()
+	if err != nil || len(res) != 1 || len(res[0].Rows) != 1 {
+		return false, fmt.Errorf("read the server version: %w", err)
+	}
+	num, err := strconv.Atoi(string(res[0].Rows[0][0]))
+	if err != nil {
+		return false, fmt.Errorf("parse server_version_num: %w", err)
+	}
+	pub, table := quoteLiteral(cfg.Publication), quoteLiteral(cfg.quotedTable())
+	q := `SELECT (NOT p.puballtables AND NOT EXISTS (SELECT 1 FROM pg_publication_rel r WHERE r.prpubid = p.oid AND r.prrelid <> to_regclass(` + table + `))`
+	if num >= 150000 {
+		q += ` AND NOT EXISTS (SELECT 1 FROM pg_publication_namespace n WHERE n.pnpubid = p.oid)`
+	}
+	q += `)::text FROM pg_publication p WHERE p.pubname = ` + pub
+	res, err = conn.Exec(ctx, q).ReadAll()
+	if err != nil {
+		return false, fmt.Errorf("read what publication %q publishes: %w", cfg.Publication, err)
+	}
+	return len(res) == 1 && len(res[0].Rows) == 1 && string(res[0].Rows[0][0]) == "true", nil
 }
 
 // setPartitions tells dec a partitioned outbox's partitions, with a lookup
@@ -67,7 +101,7 @@ func setPartitions(dec *decoder.Decoder, parts outboxPartitions, connString stri
 	if parts.Root == 0 {
 		return func() {}
 	}
-	lookup := &partitionLookup{connString: connString, root: parts.Root}
+	lookup := &partitionLookup{connString: connString, root: parts.Root, exclusive: parts.Exclusive}
 	dec.SetPartitions(parts.OIDs, lookup.isPartition)
 	return lookup.close
 }
@@ -78,12 +112,24 @@ func setPartitions(dec *decoder.Decoder, parts outboxPartitions, connString stri
 type partitionLookup struct {
 	connString string
 	root       uint32 // the outbox's OID
+	exclusive  bool   // the publication publishes the outbox alone
 	conn       *pgx.Conn
 }
 
-// isPartition reports whether the relation oid is a partition of the
-// outbox now. A table dropped, or detached, since is not.
+// isPartition reports whether the relation oid was a partition of the
+// outbox when its rows were written. pgoutput streams a table's rows by
+// the publication as it was then, and the catalog says what the table is
+// now: a partition detached or dropped since (an outbox pruned by
+// dropping old partitions) is no partition any more. So in a publication
+// of the outbox alone every other table is taken for one of its
+// partitions; in one that publishes other tables too, a table the catalog
+// does not place under the outbox is another table (see
+// decoder.PartitionLookup for what the decoder does with one that has the
+// outbox's columns).
 func (p *partitionLookup) isPartition(oid uint32, _ string) (bool, error) {
+	if p.exclusive {
+		return true, nil
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	if p.conn == nil || p.conn.IsClosed() {
