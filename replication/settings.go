@@ -55,10 +55,13 @@ func tipRouting(tip StreamTip, cfg decoder.Config) (r routing, known bool) {
 		return parseRouting(tip.Routing), true
 	}
 	def, err := decoder.Subject(cfg.SubjectPrefix, tip.AggregateType, tip.EventType)
-	// jetbox's own subjects (<prefix>._dlq, the repair baseline) are
-	// routed by no template: their messages tell nothing more.
-	own := strings.HasPrefix(tip.Subject, cfg.SubjectPrefix+"._")
-	return routing{template: decoder.DefaultSubjectTemplate}, own || (err == nil && def == tip.Subject)
+	return routing{template: decoder.DefaultSubjectTemplate}, err == nil && def == tip.Subject
+}
+
+// ownSubject reports whether the tip is on one of jetbox's own subjects
+// (<prefix>._dlq, the repair baseline), which no template routes.
+func ownSubject(tip StreamTip, cfg decoder.Config) bool {
+	return strings.HasPrefix(tip.Subject, cfg.SubjectPrefix+"._")
 }
 
 // checkRouting refuses to route events otherwise than the stream's last
@@ -73,6 +76,13 @@ func tipRouting(tip StreamTip, cfg decoder.Config) (r routing, known bool) {
 // as a test's, passes).
 func checkRouting(tip StreamTip, cfg decoder.Config, allow bool) (changed bool, err error) {
 	cur := parseRouting(cfg.Routing())
+	if tip.Routing == "" && ownSubject(tip, cfg) {
+		// A dead letter or a repair baseline without Jetbox-Routing: the
+		// default routing, or a jetbox that did not record it. Telling it
+		// the default could refuse the routing the stream holds, with a
+		// hint to change it: nothing to judge by.
+		return false, nil
+	}
 	stored, known := tipRouting(tip, cfg)
 	var was, now, back string
 	switch {

@@ -80,7 +80,9 @@ func TestCheckRouting(t *testing.T) {
 		{"partitioned to default", routedTip(t, p4), def, "--subject-template=" + partitioned + " --partitions=4"},
 		{"template changed", routedTip(t, byID), def, "--subject-template={prefix}.{aggregate_type}.{aggregate_id}.{event_type}"},
 		{"a dead letter under the default routing", dlq, def, ""},
-		{"a dead letter under the default routing, then partitioned", dlq, p4, "--subject-template={prefix}.{aggregate_type}.{event_type}"},
+		// Without the header a dead letter does not tell the default routing
+		// from that of a jetbox that did not record it: nothing to judge.
+		{"a dead letter without the header, then partitioned", dlq, p4, ""},
 		{"no header, default subject, then default", legacy(def), def, ""},
 		{"no header, partitioned subject, same routing (an upgrade)", legacy(p4), p4, ""},
 		{"no header, partitioned subject, default run", legacy(p4), def, "another routing"},
