@@ -17,6 +17,7 @@ import (
 	"github.com/jetbox-dev/jetbox/internal/audit"
 	"github.com/jetbox-dev/jetbox/internal/natsembed"
 	"github.com/jetbox-dev/jetbox/replication"
+	"github.com/jetbox-dev/jetbox/sink"
 	"github.com/jetbox-dev/jetbox/sink/format"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -172,7 +173,7 @@ func (a *auditor) run(ctx context.Context) (int, error) {
 		return exitConfig, fmt.Errorf("connect to NATS %s: %w; fix: check --nats-url and the credentials (jetbox check)", redact(cfg.NatsURL), err)
 	}
 	defer nc.Close()
-	js, err := jetstream.New(nc)
+	js, err := sink.NewJetStream(nc, cfg.Sink.JSDomain)
 	if err != nil {
 		return exitFailure, err
 	}

@@ -12,7 +12,7 @@ import (
 	"github.com/jetbox-dev/jetbox/internal/audit"
 	"github.com/jetbox-dev/jetbox/internal/metrics"
 	"github.com/jetbox-dev/jetbox/replication"
-	"github.com/nats-io/nats.go/jetstream"
+	"github.com/jetbox-dev/jetbox/sink"
 	"github.com/rs/zerolog"
 )
 
@@ -135,7 +135,7 @@ func (l *auditLoop) window(ctx context.Context, until time.Time) (time.Time, aud
 		return since, audit.Report{}, fmt.Errorf("connect to NATS %s: %w", redact(cfg.NatsURL), err)
 	}
 	defer nc.Close()
-	js, err := jetstream.New(nc)
+	js, err := sink.NewJetStream(nc, cfg.Sink.JSDomain)
 	if err != nil {
 		return since, audit.Report{}, err
 	}
