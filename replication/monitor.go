@@ -38,6 +38,9 @@ type monitor struct {
 	warn  time.Time // last retained-WAL warning, for rate limiting
 	// published: when the table was last seen in the publication.
 	published time.Time
+	// primary is the connection to --primary-url for heartbeats while
+	// the server is a standby (only run's goroutine).
+	primary *pgx.Conn
 }
 
 func (m *monitor) snapshot() SlotStats {
@@ -60,6 +63,9 @@ func (m *monitor) run(ctx context.Context) {
 	defer func() {
 		if conn != nil {
 			conn.Close(context.Background())
+		}
+		if m.primary != nil {
+			m.primary.Close(context.Background())
 		}
 	}()
 	ensure := func() bool {
@@ -287,11 +293,28 @@ func (m *monitor) heartbeat(ctx context.Context, conn *pgx.Conn) {
 	hctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	var inRecovery bool
-	if err := conn.QueryRow(hctx, "SELECT pg_is_in_recovery()").Scan(&inRecovery); err != nil || inRecovery {
-		return // a standby cannot write WAL
+	if err := conn.QueryRow(hctx, "SELECT pg_is_in_recovery()").Scan(&inRecovery); err != nil {
+		return
 	}
-	if _, err := conn.Exec(hctx, "SELECT pg_logical_emit_message(false, $1, '')", HeartbeatPrefix); err != nil {
-		conn.Close(context.Background())
+	target := conn
+	if inRecovery {
+		// A standby cannot write WAL: the heartbeat goes to its primary
+		// (--primary-url), whose WAL the standby decodes.
+		if m.s.cfg.PrimaryURL == "" {
+			return
+		}
+		if m.primary == nil || m.primary.IsClosed() {
+			pc, err := pgx.Connect(hctx, m.s.cfg.PrimaryURL)
+			if err != nil {
+				m.fail(fmt.Errorf("heartbeat: connect to --primary-url: %w", err))
+				return
+			}
+			m.primary = pc
+		}
+		target = m.primary
+	}
+	if _, err := target.Exec(hctx, "SELECT pg_logical_emit_message(false, $1, '')", HeartbeatPrefix); err != nil {
+		target.Close(context.Background())
 		m.fail(fmt.Errorf("heartbeat: %w", err))
 		return
 	}

@@ -136,7 +136,7 @@ func (s *Streamer) checkOutboxOID(ctx context.Context, conn *pgconn.PgConn) erro
 		return nil
 	}
 	table := s.cfg.quotedTable()
-	res, err := conn.Exec(ctx, "SELECT coalesce(to_regclass("+quoteLiteral(table)+")::oid, 0)::text, pg_current_wal_lsn()::text").ReadAll()
+	res, err := conn.Exec(ctx, "SELECT coalesce(to_regclass("+quoteLiteral(table)+")::oid, 0)::text, ("+serverLSNSQL+")::text").ReadAll()
 	if err != nil {
 		return fmt.Errorf("read the relation OID of %s: %w", s.cfg.qualifiedTable(), err)
 	}

@@ -48,6 +48,11 @@ type Config struct {
 	// template or partition count than the stream's last message was
 	// routed under (see checkRouting) instead of stopping.
 	AllowRoutingChange bool
+	// PrimaryURL, when the server is a hot standby (PostgreSQL 16+), is its
+	// primary's URL (same database): for what a standby cannot do, creating
+	// the publication, heartbeats and standby snapshots while the slot is
+	// created (--primary-url). Empty: none of these.
+	PrimaryURL string
 }
 
 func (c Config) qualifiedTable() string { return c.Decoder.Schema + "." + c.Decoder.Table }
