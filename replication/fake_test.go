@@ -215,6 +215,8 @@ func (f *fakeWAL) serve(n int, conn net.Conn) error {
 				filter := f.rowFilter
 				f.mu.Unlock()
 				table(be, []string{"kind", "value"}, [][]string{{"filter", filter}})
+			case m.String == "SELECT pg_is_in_recovery()":
+				rows(be, []string{"pg_is_in_recovery"}, []string{"f"})
 			case m.String == "IDENTIFY_SYSTEM":
 				rows(be, []string{"systemid", "timeline", "xlogpos", "dbname"}, []string{"7300000000000000001", "1", "0/9000000", "app"})
 			case strings.HasPrefix(m.String, "START_REPLICATION SLOT "):

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
 	"github.com/jetbox-dev/jetbox/internal/check"
 	"github.com/rs/zerolog"
@@ -229,4 +230,55 @@ func standbySlotWait(cfg Config) time.Duration {
 		return 10 * time.Second
 	}
 	return cfg.Timeout
+}
+
+// recoveryGate holds back, on a session that decodes on a standby, each
+// transaction past what the standby is known to have replayed while in
+// recovery, until it has checked it still is: the walsender follows a
+// promotion onto the new timeline, while the session labels its events
+// with the timeline it started on (Event.Origin). A promotion ends the
+// session before the first transaction it cannot label; the next session
+// labels with the new timeline.
+type recoveryGate struct {
+	conn      *pgx.Conn
+	confirmed uint64 // replayed in recovery up to here
+}
+
+// openRecoveryGate connects to the standby for the gate's checks.
+func openRecoveryGate(ctx context.Context, connString string) (*recoveryGate, error) {
+	conn, err := connect(ctx, connString)
+	if err != nil {
+		return nil, fmt.Errorf("connect to the standby for its recovery state: %w", err)
+	}
+	return &recoveryGate{conn: conn}, nil
+}
+
+// pass returns nil when the transaction committed at lsn was replayed in
+// recovery, errPromoted when the server has been promoted since.
+func (g *recoveryGate) pass(ctx context.Context, lsn uint64) error {
+	if g == nil || lsn < g.confirmed {
+		return nil
+	}
+	qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	var recovery bool
+	var replay string
+	if err := g.conn.QueryRow(qctx, "SELECT pg_is_in_recovery(), coalesce(pg_last_wal_replay_lsn(), '0/0')::text").Scan(&recovery, &replay); err != nil {
+		return fmt.Errorf("read the standby's recovery state: %w", err)
+	}
+	if !recovery {
+		return errPromoted
+	}
+	r, err := pglogrepl.ParseLSN(replay)
+	if err != nil {
+		return fmt.Errorf("parse pg_last_wal_replay_lsn: %w", err)
+	}
+	g.confirmed = uint64(r) + 1
+	return nil
+}
+
+func (g *recoveryGate) close() {
+	if g != nil {
+		_ = g.conn.Close(context.Background())
+	}
 }

@@ -71,6 +71,7 @@ type Streamer struct {
 	state      atomic.Value  // string, one of metrics.State*
 	mon        *monitor
 	fatal      chan error // the monitor found a reason to stop
+	restart    chan error // the monitor found a reason to reconnect (a promotion)
 	// outbox is which table the outbox is, read at the first session (only
 	// the Run goroutine touches it); startOID is its OID, for the monitor
 	// (0 until then).
@@ -118,6 +119,7 @@ func New(connString string, cfg Config, sink Sink, log zerolog.Logger) (*Streame
 		log: log.With().Str("component", "replication").Str("slot", cfg.Slot).Logger()}
 	s.mon = &monitor{s: s, published: time.Now()}
 	s.fatal = make(chan error, 1)
+	s.restart = make(chan error, 1)
 	s.setState(metrics.StateStarting)
 	return s, nil
 }

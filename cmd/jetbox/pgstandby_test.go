@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -72,6 +73,16 @@ func waitStandbyStreaming(t *testing.T, p *proc, sb *testenv.Postgres) {
 func TestStandbyDecodingKilled(t *testing.T) {
 	f, o, sb := standbyFixture(t, true, true)
 	f.env = append(f.env, "JETBOX_HEARTBEAT_INTERVAL=1s")
+	// jetbox check reports the set-up's prerequisites.
+	var out, errOut bytes.Buffer
+	if code := realMain([]string{"check", "--postgres-url=" + sb.DSN, "--primary-url=" + f.pg.DSN, "--nats-url=" + f.natURL}, &out, &errOut); code != exitOK {
+		t.Fatalf("check: exit %d:\n%s%s", code, out.String(), errOut.String())
+	}
+	for _, want := range []string{"the server is a hot standby", "--primary-url reaches the primary (wal_level logical)", "jetbox run creates it on the primary"} {
+		if !strings.Contains(out.String(), want) {
+			t.Fatalf("check output lacks %q:\n%s", want, out.String())
+		}
+	}
 	p := f.start()
 	waitStandbyStreaming(t, p, sb)
 	var n int
