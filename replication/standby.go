@@ -179,10 +179,17 @@ func createSlotOnStandby(ctx context.Context, conn *pgx.Conn, cfg Config, wait t
 	if cfg.PrimaryURL != "" {
 		go func() { nudged <- nudgePrimary(cctx, cfg.PrimaryURL, done) }()
 	}
+	var pid int32
+	if err := conn.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+		return "", fmt.Errorf("read the backend pid: %w", err)
+	}
 	var lsn string
 	// failover stays false: a standby refuses failover for a slot created on it.
 	err := conn.QueryRow(cctx, "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput', false)", cfg.Slot).Scan(&lsn)
 	if err != nil && cctx.Err() != nil && ctx.Err() == nil {
+		// PostgreSQL 16 may not act on the cancel in this wait: end the
+		// backend, so it leaves no slot behind when a record comes later.
+		terminate(ctx, conn.Config().ConnString(), pid)
 		if cfg.PrimaryURL == "" {
 			return "", &PermanentError{Err: fmt.Errorf("%w: creating replication slot %q on the standby waited %s for the primary to log a running-transactions record (a quiet primary logs one only after other WAL)", ErrStandbySnapshot, cfg.Slot, wait),
 				Hint: "set --primary-url (JETBOX_PRIMARY_URL) to the primary: jetbox then calls SELECT pg_log_standby_snapshot() there while the creation waits; or run that on the primary yourself, or write to it, while jetbox starts"}
@@ -281,4 +288,17 @@ func (g *recoveryGate) close() {
 	if g != nil {
 		_ = g.conn.Close(context.Background())
 	}
+}
+
+// terminate ends backend pid (the role may end its own backends), best
+// effort.
+func terminate(ctx context.Context, connString string, pid int32) {
+	tctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	c, err := connect(tctx, connString)
+	if err != nil {
+		return
+	}
+	defer c.Close(context.WithoutCancel(ctx))
+	_, _ = c.Exec(tctx, "SELECT pg_terminate_backend($1, 5000)", pid)
 }
