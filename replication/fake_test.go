@@ -195,8 +195,8 @@ func (f *fakeWAL) serve(n int, conn net.Conn) error {
 				lsn := f.confirmed
 				f.mu.Unlock()
 				rows(be, []string{"coalesce"}, []string{lsn.String()})
-			case strings.HasPrefix(m.String, "SELECT coalesce((SELECT coalesce(wal_status, '')"):
-				rows(be, []string{"wal_status", "marker"}, []string{"reserved", "f"})
+			case strings.HasPrefix(m.String, "SELECT coalesce((SELECT CASE WHEN (to_jsonb(s) ->> 'invalidation_reason')"): // readServer
+				rows(be, []string{"invalidation", "marker"}, []string{"", "f"})
 			case strings.HasPrefix(m.String, "SELECT coalesce(to_regclass("):
 				rows(be, []string{"oid", "lsn"}, []string{strconv.Itoa(outboxRelID), "0/1000000"})
 			case strings.HasPrefix(m.String, "SELECT oid::text, typbasetype::text FROM pg_type"):
@@ -215,6 +215,8 @@ func (f *fakeWAL) serve(n int, conn net.Conn) error {
 				filter := f.rowFilter
 				f.mu.Unlock()
 				table(be, []string{"kind", "value"}, [][]string{{"filter", filter}})
+			case m.String == "SELECT pg_is_in_recovery()":
+				rows(be, []string{"pg_is_in_recovery"}, []string{"f"})
 			case m.String == "IDENTIFY_SYSTEM":
 				rows(be, []string{"systemid", "timeline", "xlogpos", "dbname"}, []string{"7300000000000000001", "1", "0/9000000", "app"})
 			case strings.HasPrefix(m.String, "START_REPLICATION SLOT "):

@@ -105,8 +105,10 @@ type server struct {
 	sys      pglogrepl.IdentifySystemResult
 	slot     bool // the slot exists and is not invalidated
 	lostSlot bool // the slot exists but is invalidated
-	marker   bool // a repair of the slot has not finished (RepairMarker exists)
-	history  func(ctx context.Context, timeline int32) ([]byte, error)
+	// lostCause is why (invalidationSQL: wal_removed, rows_removed...).
+	lostCause string
+	marker    bool // a repair of the slot has not finished (RepairMarker exists)
+	history   func(ctx context.Context, timeline int32) ([]byte, error)
 }
 
 // verify compares the stream's tip with the server; a nil error means the
@@ -131,6 +133,9 @@ func verify(ctx context.Context, tip StreamTip, haveTip bool, srv server, slot s
 		what := "does not exist"
 		if srv.lostSlot {
 			what = "is invalidated (wal_status lost)"
+			if srv.lostCause != "" {
+				what = describeInvalidation(srv.lostCause)
+			}
 		}
 		return &HistoryError{Case: CaseLostSlot, Tip: tip, Detail: fmt.Sprintf(
 			"replication slot %q %s on this server (timeline %d) while the stream holds jetbox messages from it (a failover to a server without the slot, or the slot was dropped): a new slot would start at the server's current position",
@@ -208,7 +213,7 @@ func readServer(ctx context.Context, conn *pgconn.PgConn, slot string) (server, 
 	// One row: the slot's wal_status ("-": no slot), and whether a repair's
 	// marker exists (with or without the slot: a repair killed before it
 	// created the slot).
-	res, err := conn.Exec(ctx, "SELECT coalesce((SELECT coalesce(wal_status, '') FROM pg_replication_slots WHERE slot_name = "+quoteLiteral(slot)+
+	res, err := conn.Exec(ctx, "SELECT coalesce((SELECT "+invalidationSQL+" FROM pg_replication_slots s WHERE slot_name = "+quoteLiteral(slot)+
 		"), '-'), EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = "+quoteLiteral(RepairMarker(slot))+")").ReadAll()
 	if err != nil {
 		return server{}, fmt.Errorf("read slot %q: %w", slot, err)
@@ -221,7 +226,11 @@ func readServer(ctx context.Context, conn *pgconn.PgConn, slot string) (server, 
 		return server{}, fmt.Errorf("read slot %q: unexpected result", slot)
 	}
 	row := res[0].Rows[0]
-	srv.lostSlot = string(row[0]) == "lost"
+	srv.lostCause = string(row[0])
+	if srv.lostCause == "-" {
+		srv.lostCause = ""
+	}
+	srv.lostSlot = srv.lostCause != ""
 	srv.slot = string(row[0]) != "-" && !srv.lostSlot
 	srv.marker = string(row[1]) == "t"
 	return srv, nil

@@ -31,6 +31,7 @@ type loop struct {
 	lastRecv   time.Time
 	sent       pglogrepl.LSN
 	txLSN      pglogrepl.LSN // commit LSN of the transaction being read, once it has events; 0 otherwise
+	gate       *recoveryGate // on a standby: holds back what a promotion would mislabel; nil otherwise
 }
 
 func (l *loop) run(ctx context.Context) error {
@@ -72,6 +73,8 @@ func (l *loop) run(ctx context.Context) error {
 		}
 		select {
 		case err := <-l.s.fatal:
+			return err
+		case err := <-l.s.restart:
 			return err
 		default:
 		}
@@ -154,6 +157,9 @@ func (l *loop) handle(ctx context.Context, data []byte) error {
 			}
 			if err := l.replay.event(msg.Event.CommitLSN, msg.Event.TxIndex, msg.Event.ID); err != nil {
 				return l.historyBreak(err)
+			}
+			if err := l.gate.pass(ctx, uint64(msg.Event.CommitLSN)); err != nil {
+				return err
 			}
 			l.txLSN = msg.Event.CommitLSN
 			return l.publish(ctx, &msg.Event)

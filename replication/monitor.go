@@ -2,6 +2,7 @@ package replication
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -26,6 +27,7 @@ type SlotStats struct {
 	OverThreshold   bool
 	Err             string // the last monitoring error, if any
 	HeartbeatsTotal uint64
+	InRecovery      bool // the server is a standby
 }
 
 // monitor polls the slot over a normal SQL connection for metrics and the
@@ -38,6 +40,12 @@ type monitor struct {
 	warn  time.Time // last retained-WAL warning, for rate limiting
 	// published: when the table was last seen in the publication.
 	published time.Time
+	// wasStandby: the last poll found the server in recovery (only run's
+	// goroutine).
+	wasStandby bool
+	// primary is the connection to --primary-url for heartbeats while
+	// the server is a standby (only run's goroutine).
+	primary *pgx.Conn
 }
 
 func (m *monitor) snapshot() SlotStats {
@@ -60,6 +68,9 @@ func (m *monitor) run(ctx context.Context) {
 	defer func() {
 		if conn != nil {
 			conn.Close(context.Background())
+		}
+		if m.primary != nil {
+			m.primary.Close(context.Background())
 		}
 	}()
 	ensure := func() bool {
@@ -109,15 +120,17 @@ func (m *monitor) poll(ctx context.Context, ensure func() bool, conn **pgx.Conn)
 		CASE WHEN pg_is_in_recovery() THEN coalesce(pg_last_wal_receive_lsn(), '0/0') ELSE pg_current_wal_lsn() END::text AS server,
 		coalesce(s.confirmed_flush_lsn::text, ''), coalesce(s.wal_status, ''), coalesce(s.active, false),
 		coalesce(pg_wal_lsn_diff(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_receive_lsn() ELSE pg_current_wal_lsn() END, s.confirmed_flush_lsn), 0)::bigint,
-		coalesce(pg_wal_lsn_diff(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_receive_lsn() ELSE pg_current_wal_lsn() END, s.restart_lsn), 0)::bigint
+		coalesce(pg_wal_lsn_diff(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_receive_lsn() ELSE pg_current_wal_lsn() END, s.restart_lsn), 0)::bigint,
+		pg_is_in_recovery()
 		FROM (SELECT 1) one LEFT JOIN pg_replication_slots s ON s.slot_name = $1`, m.s.cfg.Slot).
-		Scan(&st.ServerLSN, &st.ConfirmedLSN, &st.WALStatus, &st.Active, &st.LagBytes, &st.RetainedBytes)
+		Scan(&st.ServerLSN, &st.ConfirmedLSN, &st.WALStatus, &st.Active, &st.LagBytes, &st.RetainedBytes, &st.InRecovery)
 	if err != nil {
 		(*conn).Close(context.Background())
 		m.fail(fmt.Errorf("monitor query: %w", err))
 		return
 	}
 	st.At = time.Now()
+	m.notePromotion(st.InRecovery)
 	mt := m.s.cfg.Metrics
 	if lsn, err := pglogrepl.ParseLSN(st.ServerLSN); err == nil {
 		mt.ServerLSN.Set(float64(lsn))
@@ -287,11 +300,28 @@ func (m *monitor) heartbeat(ctx context.Context, conn *pgx.Conn) {
 	hctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	var inRecovery bool
-	if err := conn.QueryRow(hctx, "SELECT pg_is_in_recovery()").Scan(&inRecovery); err != nil || inRecovery {
-		return // a standby cannot write WAL
+	if err := conn.QueryRow(hctx, "SELECT pg_is_in_recovery()").Scan(&inRecovery); err != nil {
+		return
 	}
-	if _, err := conn.Exec(hctx, "SELECT pg_logical_emit_message(false, $1, '')", HeartbeatPrefix); err != nil {
-		conn.Close(context.Background())
+	target := conn
+	if inRecovery {
+		// A standby cannot write WAL: the heartbeat goes to its primary
+		// (--primary-url), whose WAL the standby decodes.
+		if m.s.cfg.PrimaryURL == "" {
+			return
+		}
+		if m.primary == nil || m.primary.IsClosed() {
+			pc, err := pgx.Connect(hctx, m.s.cfg.PrimaryURL)
+			if err != nil {
+				m.fail(fmt.Errorf("heartbeat: connect to --primary-url: %w", err))
+				return
+			}
+			m.primary = pc
+		}
+		target = m.primary
+	}
+	if _, err := target.Exec(hctx, "SELECT pg_logical_emit_message(false, $1, '')", HeartbeatPrefix); err != nil {
+		target.Close(context.Background())
 		m.fail(fmt.Errorf("heartbeat: %w", err))
 		return
 	}
@@ -299,4 +329,21 @@ func (m *monitor) heartbeat(ctx context.Context, conn *pgx.Conn) {
 	m.mu.Lock()
 	m.stats.HeartbeatsTotal++
 	m.mu.Unlock()
+}
+
+// errPromoted ends a session on a standby that was promoted: its logical
+// walsender does not follow the new timeline, a new one does.
+var errPromoted = errors.New("the standby jetbox decodes on was promoted: reconnecting, so that a new walsender decodes the new timeline (the slot is on this server already)")
+
+// notePromotion asks the session to reconnect when the server, a standby
+// at the last poll, is one no longer.
+func (m *monitor) notePromotion(inRecovery bool) {
+	if m.wasStandby && !inRecovery {
+		m.s.log.Warn().Msg("the server was promoted: it is the primary now; reconnecting to decode its new timeline")
+		select {
+		case m.s.restart <- errPromoted:
+		default:
+		}
+	}
+	m.wasStandby = inRecovery
 }

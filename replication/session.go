@@ -77,6 +77,15 @@ func (s *Streamer) session(ctx context.Context) (err error) {
 	if haveTip && ownTip(tip, sys, s.cfg.Slot) && tip.Seq > s.forgotTip {
 		replay = newTipReplay(tip, start)
 	}
+	var gate *recoveryGate
+	if standby, err := inRecovery(sctx, conn); err != nil {
+		return err
+	} else if standby {
+		if gate, err = openRecoveryGate(sctx, s.connString); err != nil {
+			return err
+		}
+		defer gate.close()
+	}
 	source := sourceOf(sys, s.cfg.Slot)
 	args := []string{"proto_version '1'", "publication_names " + quoteLiteral(quoteIdent(s.cfg.Publication))}
 	if s.cfg.Decoder.MessagePrefix != "" {
@@ -97,6 +106,7 @@ func (s *Streamer) session(ctx context.Context) (err error) {
 		source:  source,
 		start:   start,
 		replay:  replay,
+		gate:    gate,
 		// The first status goes out as the loop starts (run), or
 		// meanwhile if opening the sink takes longer than an interval.
 		nextStatus: time.Now().Add(s.cfg.StatusInterval),
@@ -136,7 +146,7 @@ func (s *Streamer) checkOutboxOID(ctx context.Context, conn *pgconn.PgConn) erro
 		return nil
 	}
 	table := s.cfg.quotedTable()
-	res, err := conn.Exec(ctx, "SELECT coalesce(to_regclass("+quoteLiteral(table)+")::oid, 0)::text, pg_current_wal_lsn()::text").ReadAll()
+	res, err := conn.Exec(ctx, "SELECT coalesce(to_regclass("+quoteLiteral(table)+")::oid, 0)::text, ("+serverLSNSQL+")::text").ReadAll()
 	if err != nil {
 		return fmt.Errorf("read the relation OID of %s: %w", s.cfg.qualifiedTable(), err)
 	}
@@ -197,4 +207,17 @@ func (l *loop) finish(ctx context.Context, runErr error) error {
 		return nil
 	}
 	return runErr
+}
+
+// inRecovery reports, over the replication connection, whether the server
+// is a standby.
+func inRecovery(ctx context.Context, conn *pgconn.PgConn) (bool, error) {
+	res, err := conn.Exec(ctx, "SELECT pg_is_in_recovery()").ReadAll()
+	if err != nil {
+		return false, fmt.Errorf("read pg_is_in_recovery: %w", err)
+	}
+	if len(res) != 1 || len(res[0].Rows) != 1 || len(res[0].Rows[0]) != 1 {
+		return false, errors.New("read pg_is_in_recovery: unexpected result")
+	}
+	return string(res[0].Rows[0][0]) == "t", nil
 }

@@ -89,8 +89,7 @@ func (c *checker) server() {
 	}
 	c.l.Add(check.Info, "postgres.version", "PostgreSQL "+version, "")
 	if c.inRecovery {
-		c.l.Add(check.Error, "postgres.primary", "the server is a standby (in recovery): jetbox needs the primary (slots, publications and heartbeats are written there)",
-			"point --postgres-url at the primary (the read-write endpoint)")
+		c.standby()
 	}
 	c.walLogical = walLevel == "logical"
 	if !c.walLogical {
@@ -235,6 +234,11 @@ func (c *checker) publication(tableOK bool) bool {
 	if errors.Is(err, pgx.ErrNoRows) {
 		switch {
 		case !tableOK:
+		case c.inRecovery && c.cfg.PrimaryURL == "":
+			c.l.Add(check.Error, "postgres.publication", fmt.Sprintf("publication %q is missing, and the server is a standby, which cannot create it", c.cfg.Publication),
+				"run on the primary: "+c.publicationSQL()+" (or set --primary-url: jetbox run then creates it there)")
+		case c.inRecovery:
+			c.l.Add(check.Create, "postgres.publication", fmt.Sprintf("publication %q is missing: jetbox run creates it on the primary (--primary-url): %s", c.cfg.Publication, c.publicationSQL()), "")
 		case c.ownsTable:
 			c.l.Add(check.Create, "postgres.publication", fmt.Sprintf("publication %q is missing: jetbox run creates it (%s)", c.cfg.Publication, c.publicationSQL()), "")
 		default:
@@ -287,16 +291,17 @@ func (c *checker) publication(tableOK bool) bool {
 
 func (c *checker) slot(pubExists bool) {
 	var (
-		plugin, slotType, walStatus, db, current, confirmed string
-		twoPhase, active                                    bool
-		retained                                            int64
-		pid                                                 *int32
+		plugin, slotType, walStatus, db, current, confirmed, invalid string
+		twoPhase, active                                             bool
+		retained                                                     int64
+		pid                                                          *int32
 	)
 	err := c.conn.QueryRow(c.ctx, `SELECT coalesce(plugin, ''), slot_type, coalesce(database, ''), current_database(),
 		coalesce(wal_status, ''), two_phase, coalesce(confirmed_flush_lsn::text, '0/0'), active, active_pid,
-		coalesce(pg_wal_lsn_diff(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_receive_lsn() ELSE pg_current_wal_lsn() END, restart_lsn), 0)::bigint
-		FROM pg_replication_slots WHERE slot_name = $1`, c.cfg.Slot).
-		Scan(&plugin, &slotType, &db, &current, &walStatus, &twoPhase, &confirmed, &active, &pid, &retained)
+		coalesce(pg_wal_lsn_diff(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_receive_lsn() ELSE pg_current_wal_lsn() END, restart_lsn), 0)::bigint,
+		`+invalidationSQL+`
+		FROM pg_replication_slots s WHERE slot_name = $1`, c.cfg.Slot).
+		Scan(&plugin, &slotType, &db, &current, &walStatus, &twoPhase, &confirmed, &active, &pid, &retained, &invalid)
 	drop := fmt.Sprintf("SELECT pg_drop_replication_slot('%s') (rows not yet forwarded are then lost: re-publish them from the table) or set --slot to another name", c.cfg.Slot)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
@@ -313,8 +318,8 @@ func (c *checker) slot(pubExists bool) {
 		c.l.Add(check.Error, "postgres.slot", fmt.Sprintf("slot %q is a %s slot with plugin %q, not a logical pgoutput slot", c.cfg.Slot, slotType, plugin), drop)
 	case db != current:
 		c.l.Add(check.Error, "postgres.slot", fmt.Sprintf("slot %q belongs to database %q, not %q", c.cfg.Slot, db, current), "connect to database "+db+" or set --slot to another name")
-	case walStatus == "lost":
-		c.l.Add(check.Error, "postgres.slot", fmt.Sprintf("slot %q is invalidated (wal_status = lost): Postgres removed WAL it still needed, so the outbox rows committed since its confirmed LSN %s can no longer be streamed", c.cfg.Slot, confirmed),
+	case invalid != "":
+		c.l.Add(check.Error, "postgres.slot", fmt.Sprintf("slot %q %s, so the outbox rows committed since its confirmed LSN %s can no longer be streamed", c.cfg.Slot, describeInvalidation(invalid), confirmed),
 			"run `jetbox repair` with the same configuration, or follow the runbook \"slot invalidated\" in docs/operations.md: re-publish the rows committed since then from the table (same ids: dedup absorbs overlaps), then "+drop+" and restart jetbox")
 	case twoPhase:
 		c.l.Add(check.Error, "postgres.slot", fmt.Sprintf("slot %q has two_phase enabled: prepared transactions would be published before they commit", c.cfg.Slot), drop)
@@ -397,7 +402,15 @@ func Ensure(ctx context.Context, connString string, cfg Config, log zerolog.Logg
 	if err := conn.QueryRow(ctx, "SELECT count(*) FROM pg_publication WHERE pubname = $1", cfg.Publication).Scan(&n); err != nil {
 		return fmt.Errorf("look up publication %q: %w", cfg.Publication, err)
 	}
-	if n == 0 {
+	var inRecovery bool
+	if err := conn.QueryRow(ctx, "SELECT pg_is_in_recovery()").Scan(&inRecovery); err != nil {
+		return fmt.Errorf("read pg_is_in_recovery: %w", err)
+	}
+	if n == 0 && inRecovery {
+		if err := ensurePublicationOnPrimary(ctx, conn, cfg, log); err != nil {
+			return err
+		}
+	} else if n == 0 {
 		if err := createPublication(ctx, conn, cfg); err != nil {
 			return err
 		}
@@ -417,19 +430,27 @@ func Ensure(ctx context.Context, connString string, cfg Config, log zerolog.Logg
 			return fmt.Errorf("read server version: %w", err)
 		}
 		create := "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput', false)"
-		if num >= 170000 {
+		failover := num >= 170000 && !inRecovery
+		if failover {
 			// A failover slot: standbys with sync_replication_slots keep a
 			// copy, so the slot survives a promotion (see docs/operations.md).
 			create = "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput', false, false, true)"
 		}
-		err := conn.QueryRow(ctx, create, cfg.Slot).Scan(&lsn)
+		var err error
+		started := time.Now()
+		if inRecovery {
+			lsn, err = createSlotOnStandby(ctx, conn, cfg, standbySlotWait(cfg))
+		} else {
+			err = conn.QueryRow(ctx, create, cfg.Slot).Scan(&lsn)
+		}
 		if isDuplicate(err) {
 			return nil // another instance created it just now
 		}
 		if err != nil {
 			return fmt.Errorf("create replication slot %q: %w", cfg.Slot, err)
 		}
-		log.Warn().Str("slot", cfg.Slot).Str("lsn", lsn).Bool("failover", num >= 170000).Msg("created replication slot: outbox rows committed before this LSN are not streamed")
+		log.Warn().Str("slot", cfg.Slot).Str("lsn", lsn).Bool("failover", failover).Bool("standby", inRecovery).Dur("took", time.Since(started)).
+			Msg("created replication slot: outbox rows committed before this LSN are not streamed")
 	}
 	return nil
 }

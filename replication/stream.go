@@ -48,6 +48,11 @@ type Config struct {
 	// template or partition count than the stream's last message was
 	// routed under (see checkRouting) instead of stopping.
 	AllowRoutingChange bool
+	// PrimaryURL, when the server is a hot standby (PostgreSQL 16+), is its
+	// primary's URL (same database): for what a standby cannot do, creating
+	// the publication, heartbeats and standby snapshots while the slot is
+	// created (--primary-url). Empty: none of these.
+	PrimaryURL string
 }
 
 func (c Config) qualifiedTable() string { return c.Decoder.Schema + "." + c.Decoder.Table }
@@ -66,6 +71,7 @@ type Streamer struct {
 	state      atomic.Value  // string, one of metrics.State*
 	mon        *monitor
 	fatal      chan error // the monitor found a reason to stop
+	restart    chan error // the monitor found a reason to reconnect (a promotion)
 	// outbox is which table the outbox is, read at the first session (only
 	// the Run goroutine touches it); startOID is its OID, for the monitor
 	// (0 until then).
@@ -113,6 +119,7 @@ func New(connString string, cfg Config, sink Sink, log zerolog.Logger) (*Streame
 		log: log.With().Str("component", "replication").Str("slot", cfg.Slot).Logger()}
 	s.mon = &monitor{s: s, published: time.Now()}
 	s.fatal = make(chan error, 1)
+	s.restart = make(chan error, 1)
 	s.setState(metrics.StateStarting)
 	return s, nil
 }

@@ -264,9 +264,13 @@ func TestNATSPermissionDenied(t *testing.T) {
 }
 
 // TestPostgresStandbyRefused: a standby (in recovery) given as the URL is a
-// set-up problem (exit 2) naming the fix.
+// set-up problem (exit 2) naming the fix: before PostgreSQL 16, which
+// cannot decode on a standby, the standby itself; from 16, a standby
+// without hot_standby_feedback and a physical slot on its primary (every
+// missing prerequisite at once).
 func TestPostgresStandbyRefused(t *testing.T) {
 	f := newFixture(t)
+	major := f.pg.Major(t)
 	f.pg.Stop("fast")
 	signal := filepath.Join(f.pg.DataDir(), "standby.signal")
 	must(t, os.WriteFile(signal, nil, 0o600))
@@ -290,7 +294,11 @@ func TestPostgresStandbyRefused(t *testing.T) {
 		return nil
 	})
 	p := f.start()
-	p.waitExit(exitConfig, "the server is a standby (in recovery)", "point --postgres-url at the primary")
+	if major < 16 {
+		p.waitExit(exitConfig, "the server is a standby (in recovery)", "logical decoding on a standby needs PostgreSQL 16", "point --postgres-url at the primary")
+		return
+	}
+	p.waitExit(exitConfig, "hot_standby_feedback is off on this standby", "primary_slot_name is empty on this standby", "ALTER SYSTEM SET hot_standby_feedback = on")
 }
 
 func ownerOf(info os.FileInfo) (uid, gid int) {

@@ -91,6 +91,7 @@ Memory and GC: GOMEMLIMIT, GOGC (docs/configuration.md).`
 // reports every mistake at once.
 type RunFlags struct {
 	PostgresURL     string `name:"postgres-url" env:"JETBOX_POSTGRES_URL" help:"Postgres libpq URL or DSN (PG* variables and sslmode work). Required." placeholder:"URL" group:"postgres"`
+	PrimaryURL      string `name:"primary-url" env:"JETBOX_PRIMARY_URL" help:"When --postgres-url is a hot standby (PostgreSQL 16+): its primary's URL, same database, for what a standby cannot do (create the publication, heartbeats, standby snapshots while the slot is created). Optional." placeholder:"URL" group:"postgres"`
 	NatsURL         string `name:"nats-url" env:"JETBOX_NATS_URL" default:"${default_nats_url}" help:"NATS server URL(s), comma-separated." group:"nats"`
 	NatsContext     string `name:"nats-context" env:"JETBOX_NATS_CONTEXT" help:"A nats CLI context (its name, or the path of its file) for the NATS URL, credentials and TLS; the --nats-* flags given override it." placeholder:"NAME" group:"nats"`
 	NatsStoreDir    string `name:"nats-store-dir" env:"JETBOX_NATS_STORE_DIR" help:"With --nats-url=embedded: the JetStream store directory (required)." placeholder:"DIR" group:"nats"`
@@ -289,6 +290,11 @@ func (f *RunFlags) Config() (Config, error) {
 		bad("postgres-url", "", "required", "set JETBOX_POSTGRES_URL, e.g. postgres://jetbox:secret@127.0.0.1:5432/app?sslmode=disable")
 	} else if _, err := pgconn.ParseConfig(f.PostgresURL); err != nil {
 		bad("postgres-url", "", "cannot be parsed: "+redact(err.Error()), "use a libpq URL (postgres://user:pass@host:5432/db) or a key=value DSN")
+	}
+	if f.PrimaryURL != "" {
+		if _, err := pgconn.ParseConfig(f.PrimaryURL); err != nil {
+			bad("primary-url", "", "cannot be parsed: "+redact(err.Error()), "use a libpq URL (postgres://user:pass@primary:5432/db) or a key=value DSN, the same database as --postgres-url")
+		}
 	}
 	if f.NatsURL == "embedded" {
 		if f.NatsStoreDir == "" {
@@ -516,6 +522,7 @@ func (f *RunFlags) Config() (Config, error) {
 		MonitorInterval:    monitorInterval,
 		AcceptLostRows:     acceptLost,
 		AllowRoutingChange: allowRouting,
+		PrimaryURL:         f.PrimaryURL,
 	}
 	c.Sink = sink.Config{Stream: f.Stream, SubjectPrefix: f.SubjectPrefix, DuplicateWindow: dupWindow, StreamSpec: spec,
 		PublishTimeout: publishTimeout, MaxPending: maxInFlight, MaxControlLine: maxCtlLine, OrderGuard: orderGuard, ExactlyOnce: f.Delivery == "exactly-once", DeadLetterSubject: deadLetter,

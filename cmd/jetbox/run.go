@@ -18,6 +18,7 @@ import (
 	"github.com/cenkalti/backoff/v5"
 	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/jetbox-dev/jetbox/internal/check"
+	"github.com/jetbox-dev/jetbox/internal/fault"
 	"github.com/jetbox-dev/jetbox/internal/metrics"
 	"github.com/jetbox-dev/jetbox/internal/natsembed"
 	"github.com/jetbox-dev/jetbox/replication"
@@ -313,7 +314,7 @@ func preflight(ctx context.Context, cfg Config, log zerolog.Logger) (*nats.Conn,
 				return r.nc, r.pub, nil
 			}
 			var he *replication.HistoryError
-			if errors.As(err, &he) {
+			if errors.As(err, &he) || fault.Is(err) {
 				r.nc.Close()
 				return nil, nil, err
 			}
@@ -349,7 +350,8 @@ func preflight(ctx context.Context, cfg Config, log zerolog.Logger) (*nats.Conn,
 
 // ensureAll creates what the checks found missing on both sides.
 func ensureAll(ctx context.Context, cfg Config, pub *sink.Publisher, log zerolog.Logger) error {
-	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	// On a standby the slot's creation may wait up to --postgres-timeout.
+	sctx, cancel := context.WithTimeout(ctx, 30*time.Second+cfg.Replication.Timeout)
 	defer cancel()
 	// Before a missing slot is created: is this a first start?
 	if _, _, err := replication.VerifyHistory(sctx, cfg.PostgresURL, cfg.Replication, sinkAdapter{p: pub}, log); err != nil {

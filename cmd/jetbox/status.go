@@ -37,10 +37,10 @@ func (c *statusCmd) run(ctx context.Context, stdout, stderr io.Writer) int {
 		var server, confirmed, walStatus, pid string
 		var active bool
 		var lag, retained int64
-		err := conn.QueryRow(ctx, `SELECT pg_current_wal_lsn()::text, coalesce(s.confirmed_flush_lsn::text, '-'),
+		err := conn.QueryRow(ctx, `SELECT CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_lsn() END::text, coalesce(s.confirmed_flush_lsn::text, '-'),
 			coalesce(s.wal_status, '-'), coalesce(s.active, false), coalesce(s.active_pid::text, '-'),
-			coalesce(pg_wal_lsn_diff(pg_current_wal_lsn(), s.confirmed_flush_lsn), 0)::bigint,
-			coalesce(pg_wal_lsn_diff(pg_current_wal_lsn(), s.restart_lsn), 0)::bigint
+			coalesce(pg_wal_lsn_diff(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_lsn() END, s.confirmed_flush_lsn), 0)::bigint,
+			coalesce(pg_wal_lsn_diff(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_lsn() END, s.restart_lsn), 0)::bigint
 			FROM (SELECT 1) one LEFT JOIN pg_replication_slots s ON s.slot_name = $1`, cfg.Replication.Slot).
 			Scan(&server, &confirmed, &walStatus, &active, &pid, &lag, &retained)
 		switch {
