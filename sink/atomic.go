@@ -98,9 +98,6 @@ var (
 // and the stream support atomic batches and asks the server for its batch
 // limit (a request for a batch never started: nothing is stored).
 func (p *Publisher) OpenAtomic(ctx context.Context, source string) (*AtomicSession, error) {
-	if !p.cfg.ExactlyOnce {
-		return nil, errors.New("atomic transactions need exactly-once delivery")
-	}
 	c, err := p.resume(ctx, source, false)
 	if err != nil {
 		return nil, p.closedErr(err)

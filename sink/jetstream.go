@@ -62,21 +62,16 @@ type Config struct {
 	StreamSpec     StreamSpec
 	PublishTimeout time.Duration // how long to wait for one PubAck
 	MaxPending     int           // async publishes in flight (the tracker's window)
-	OrderGuard     bool          // set Nats-Expected-Last-Sequence (see package doc)
 	// MaxControlLine is the server's max_control_line (see SubjectLimit);
 	// 0: DefaultMaxControlLine.
 	MaxControlLine int
-	// ExactlyOnce: jetbox is the stream's only writer; every publish expects
-	// the stream's last sequence, and replayed events at or before the
-	// stream's last message are skipped by position (see Open).
-	ExactlyOnce bool
+	// Delivery is the delivery mode (exactly-once, with or without atomic
+	// transactions, or dedup, with or without the order guard); the zero
+	// value is Dedup.
+	Delivery Delivery
 	// DeadLetterSubject: dead letters go to <DeadLetterSubject>.<reason>; the
 	// stream must capture them too. "" when dead-lettering is off.
 	DeadLetterSubject string
-	// AtomicTransactions: each transaction is stored as JetStream atomic
-	// batches (see AtomicSession); needs ExactlyOnce and a stream with
-	// AllowAtomicPublish (nats-server 2.12 or later).
-	AtomicTransactions bool
 	// IndexScheme is decoder.Config.IndexScheme: when set, every message
 	// carries it in Jetbox-Index-Scheme.
 	IndexScheme string
@@ -300,7 +295,7 @@ func (p *Publisher) open(ctx context.Context, source string, repair bool) (*Sess
 	}
 	replicas := c.stream.CachedInfo().Config.Replicas
 	s := &Session{p: p, pending: make(chan pendingAck, p.cfg.MaxPending+1), quit: make(chan struct{}), source: source,
-		cur: c, nextSeq: c.seq, prevID: c.id, prevPos: c.pos, idGuard: p.cfg.ExactlyOnce && replicas <= 1}
+		cur: c, nextSeq: c.seq, prevID: c.id, prevPos: c.pos, idGuard: p.cfg.Delivery.ExactlyOnce() && replicas <= 1}
 	if c.chain {
 		s.lastID = c.id
 	}
@@ -308,7 +303,7 @@ func (p *Publisher) open(ctx context.Context, source string, repair bool) (*Sess
 	lctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	s.loadWatermark(lctx, replicas)
 	cancel()
-	s.serial = !p.cfg.ExactlyOnce && p.cfg.OrderGuard && !c.watermark && s.nextSeq > 0
+	s.serial = p.cfg.Delivery == DedupGuarded && !c.watermark && s.nextSeq > 0
 	s.wg.Add(1)
 	go s.watch()
 	return s, nil
@@ -329,7 +324,7 @@ func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
 	var opts []jetstream.PublishOpt
 	// A replay of what the stream held when the session opened goes without
 	// an expected sequence: it is a Duplicate and stores nothing.
-	guarded := s.p.guarded() && !s.cur.covers(pos)
+	guarded := s.p.cfg.Delivery.Guarded() && !s.cur.covers(pos)
 	var serial chan serialResult
 	if guarded && s.serial {
 		if err := s.waitSerial(); err != nil {
@@ -645,7 +640,7 @@ func (s *Session) watch() {
 			if !broken {
 				s.p.raiseAcked(ack.Sequence)
 			}
-			if s.p.guarded() {
+			if s.p.cfg.Delivery.Guarded() {
 				s.p.claim(ack.Sequence, pa.pos)
 			}
 			s.p.record(outStored, 1)

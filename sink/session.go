@@ -194,7 +194,7 @@ func (p *Publisher) resume(ctx context.Context, source string, repair bool) (cur
 	}
 	m, err := st.GetMsg(ctx, c.seq)
 	if err != nil {
-		if !p.cfg.ExactlyOnce {
+		if !p.cfg.Delivery.ExactlyOnce() {
 			return c, nil // no watermark: every Duplicate PubAck is checked
 		}
 		if errors.Is(err, jetstream.ErrMsgNotFound) {
@@ -209,10 +209,10 @@ func (p *Publisher) resume(ctx context.Context, source string, repair bool) (cur
 	// operator accepted a lost history.
 	sameSource := format.SameWriter(m.Header.Get(format.HeaderSource), source) && c.seq > p.forgetThrough.Load()
 	c.id, c.pos = m.Header.Get(jetstream.MsgIDHeader), pos
-	if !p.cfg.ExactlyOnce {
+	if !p.cfg.Delivery.ExactlyOnce() {
 		// Without the order guard, rows after a refused one may be stored
 		// before it is retried: no watermark, check every Duplicate.
-		c.watermark = ok && sameSource && p.cfg.OrderGuard
+		c.watermark = ok && sameSource && p.cfg.Delivery.Guarded()
 		return c, nil
 	}
 	if !ok {

@@ -211,7 +211,7 @@ func (a *auditor) run(ctx context.Context) (int, error) {
 		return exitConfig, err
 	}
 
-	acfg := audit.Config{Since: since, Until: a.s.until, Margin: a.s.margin, ExactlyOnce: cfg.Sink.ExactlyOnce, First: 10}
+	acfg := audit.Config{Since: since, Until: a.s.until, Margin: a.s.margin, ExactlyOnce: cfg.Sink.Delivery.ExactlyOnce(), First: 10}
 	aud := audit.New(acfg, a.rowFunc(tbl, since), tbl.Lookup)
 	a.started = time.Now()
 	stop := a.startProgress()
