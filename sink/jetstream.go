@@ -248,19 +248,11 @@ type Session struct {
 	vals []string
 
 	// serial (dedup mode with the order guard, no watermark): publish
-	// unguarded, one at a time, until one is stored as new (package doc).
-	serial     bool
-	serialWait chan serialResult // the outcome of the publish in flight
-	serialErr  error             // a serial publish failed: send nothing more
+	// unguarded, one at a time, until one is stored as new (package doc);
+	// nil once pipelined.
+	serial *serialReplay
 
 	nextSeq uint64 // the stream's last sequence before the next publish
-}
-
-// serialResult is the outcome of a serial publish, for the next Publish.
-type serialResult struct {
-	err    error  // not stored (or a repeated id)
-	stored bool   // stored as a new message, at seq
-	seq    uint64 // its stream sequence
 }
 
 type pendingAck struct {
@@ -303,7 +295,9 @@ func (p *Publisher) open(ctx context.Context, source string, repair bool) (*Sess
 	lctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	s.loadWatermark(lctx, replicas)
 	cancel()
-	s.serial = p.cfg.Delivery == DedupGuarded && !c.watermark && s.nextSeq > 0
+	if p.cfg.Delivery == DedupGuarded && !c.watermark && s.nextSeq > 0 {
+		s.serial = &serialReplay{}
+	}
 	s.wg.Add(1)
 	go s.watch()
 	return s, nil
@@ -326,11 +320,14 @@ func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
 	// an expected sequence: it is a Duplicate and stores nothing.
 	guarded := s.p.cfg.Delivery.Guarded() && !s.cur.covers(pos)
 	var serial chan serialResult
-	if guarded && s.serial {
-		if err := s.waitSerial(); err != nil {
+	if guarded && s.serial != nil {
+		stored, seq, err := s.serial.await(s.quit)
+		if err != nil {
 			return err
 		}
-		if s.serial {
+		if stored {
+			s.serial, s.nextSeq = nil, seq // pipelined and guarded from here
+		} else {
 			guarded, serial = false, make(chan serialResult, 1)
 			opts = noRetry
 		}
@@ -377,7 +374,7 @@ func (s *Session) Publish(ev *decoder.Event, done func(error)) error {
 		s.nextSeq++
 	}
 	if serial != nil {
-		s.serialWait = serial
+		s.serial.sent(serial)
 	}
 	s.pending <- pendingAck{serial: serial, guarded: guarded, expect: s.nextSeq - 1, fut: fut, done: done, committed: ev.CommitTime, id: ev.ID, subject: ev.Subject, pos: pos, size: len(ev.Payload), span: span}
 	return nil
@@ -412,29 +409,6 @@ func (p *Publisher) SubjectLimit() int { return p.cfg.MaxControlLine - controlLi
 // noRetry is the publish option of a guarded or serial publish, built once
 // (not per event): nats.go only reads it.
 var noRetry = []jetstream.PublishOpt{jetstream.WithRetryAttempts(0)}
-
-// waitSerial waits for the outcome of the serial publish in flight: once one
-// is stored as a new message the session turns pipelined and guarded, with
-// that message's sequence as the stream's last. After a failure nothing more
-// is sent (the next could be stored after a gap).
-func (s *Session) waitSerial() error {
-	if s.serialErr == nil && s.serialWait != nil {
-		select {
-		case r := <-s.serialWait:
-			s.serialErr = r.err
-			if r.err == nil && r.stored {
-				s.serial, s.nextSeq = false, r.seq
-			}
-		case <-s.quit:
-			s.serialErr = errors.New("the session was closed")
-		}
-		s.serialWait = nil
-	}
-	if s.serialErr != nil {
-		return fmt.Errorf("not sent: an earlier publish of this session failed (%v); it is republished in order", s.serialErr)
-	}
-	return nil
-}
 
 // txText is a transaction's header values, formatted once for all its rows.
 type txText struct {
