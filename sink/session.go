@@ -16,7 +16,7 @@ import (
 
 // What both publishing sessions share: where a session resumes (resume and
 // its cursor), the counters (record), and the invalid-row errors they build.
-// Session (jetstream.go) and AtomicSession (atomic.go) sit on top.
+// Session (pipeline.go) and AtomicSession (atomic.go) sit on top.
 
 // Stats are cumulative publishing counters.
 type Stats struct {
