@@ -213,12 +213,13 @@ func (p *Publisher) liveStream(ctx context.Context) (jetstream.Stream, error) {
 	return st, nil
 }
 
-// sameSource reports whether the stream's last message m is this writer's
-// (source): the same system, database and slot. Replication checked that
-// the server's timeline continues the stream's (see sameWriter), unless an
-// operator accepted a lost history.
-func (p *Publisher) sameSource(c cursor, m *jetstream.RawStreamMsg, source string) bool {
-	return format.SameWriter(m.Header.Get(format.HeaderSource), source) && c.seq > p.forgetThrough.Load()
+// sameSource reports whether the stream's last message m (at c.seq) is
+// this writer's (source): the same system, database and slot, and not of
+// a lost history an operator accepted (at or before forgotThrough, see
+// ForgetPositionsThrough). Replication checked that the server's timeline
+// continues the stream's (see sameWriter).
+func sameSource(c cursor, m *jetstream.RawStreamMsg, source string, forgotThrough uint64) bool {
+	return format.SameWriter(m.Header.Get(format.HeaderSource), source) && c.seq > forgotThrough
 }
 
 // resumeDedup completes c in dedup mode from the stream's last message m
@@ -232,7 +233,7 @@ func (p *Publisher) resumeDedup(c cursor, m *jetstream.RawStreamMsg, getErr erro
 	c.id, c.pos = m.Header.Get(jetstream.MsgIDHeader), pos
 	// Without the order guard, rows after a refused one may be stored
 	// before it is retried: no watermark, check every Duplicate.
-	c.watermark = ok && p.sameSource(c, m, source) && p.cfg.Delivery.Guarded()
+	c.watermark = ok && sameSource(c, m, source, p.forgetThrough.Load()) && p.cfg.Delivery.Guarded()
 	return c
 }
 
@@ -267,7 +268,7 @@ func (p *Publisher) resumeExactlyOnce(ctx context.Context, c cursor, m *jetstrea
 		p.log.Warn().Uint64("seq", c.seq).Msg("exactly-once: the stream's last message belongs to an abandoned WAL history: skipping nothing by position")
 		return c, nil
 	}
-	if !p.sameSource(c, m, source) {
+	if !sameSource(c, m, source, p.forgetThrough.Load()) {
 		return cursor{}, &PermanentError{Err: fmt.Errorf("exactly-once: the stream's last message (seq %d) comes from %q, this jetbox reads %q", c.seq, m.Header.Get(format.HeaderSource), source),
 			Hint: "positions from another database, slot or cluster are not comparable: give each jetbox its own stream, or use --delivery=dedup"}
 	}
