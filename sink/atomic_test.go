@@ -23,7 +23,7 @@ import (
 
 func atomicConfig() sink.Config {
 	cfg := baseConfig()
-	cfg.ExactlyOnce, cfg.AtomicTransactions, cfg.MaxPending = true, true, 1024
+	cfg.Delivery, cfg.MaxPending = sink.ExactlyOnceAtomic, 1024
 	return cfg
 }
 

@@ -16,7 +16,7 @@ import (
 // the stream (or that it can be created), its subjects, duplicate window
 // (warned when shorter than maxOutage), message size limits, storage and
 // replicas, in exactly-once mode whether the stream supports it (see
-// checkExactlyOnce), and with AtomicTransactions whether the server and the
+// checkExactlyOnce), and with ExactlyOnceAtomic whether the server and the
 // stream take atomic batches, and how large.
 func (p *Publisher) Check(ctx context.Context, maxOutage time.Duration) []check.Finding {
 	var l check.List
@@ -44,11 +44,11 @@ func (p *Publisher) Check(ctx context.Context, maxOutage time.Duration) []check.
 			l.Add(check.Warning, "nats.replicas", fmt.Sprintf("the stream would have %d replica(s) (%s): a PubAck is not an fsync, so a power loss of the server can lose acked messages", sc.Replicas, why),
 				"use a JetStream cluster of 3 servers in production (or sync_interval: always on the server)")
 		}
-		if maxOutage > p.cfg.DuplicateWindow && !p.cfg.ExactlyOnce {
+		if maxOutage > p.cfg.DuplicateWindow && !p.cfg.Delivery.ExactlyOnce() {
 			l.Add(check.Warning, "nats.duplicate_window", fmt.Sprintf("--duplicate-window %s is shorter than --max-outage %s: a replay after a longer outage stores copies", p.cfg.DuplicateWindow, maxOutage),
 				"raise --duplicate-window before the stream is created")
 		}
-		if p.cfg.AtomicTransactions {
+		if p.cfg.Delivery.Atomic() {
 			p.checkAtomic(ctx, &l, false, false)
 		}
 		return l
@@ -81,7 +81,7 @@ func (p *Publisher) Check(ctx context.Context, maxOutage time.Duration) []check.
 				fmt.Sprintf("add %q to the stream's subjects, or change --dead-letter-subject", dl))
 		}
 	}
-	if p.cfg.ExactlyOnce {
+	if p.cfg.Delivery.ExactlyOnce() {
 		l.Add(check.Info, "nats.duplicate_window", fmt.Sprintf("duplicate window %s (exactly-once skips replays by position, whatever the window)", cfg.Duplicates), "")
 	} else if cfg.Duplicates < maxOutage {
 		l.Add(check.Warning, "nats.duplicate_window", fmt.Sprintf("stream duplicate window %s is shorter than --max-outage %s: a replay after a longer outage (or a Postgres crash) stores copies", cfg.Duplicates, maxOutage),
@@ -102,13 +102,13 @@ func (p *Publisher) Check(ctx context.Context, maxOutage time.Duration) []check.
 		}
 		l.Add(check.Warning, "nats.replicas", fmt.Sprintf("%d replica(s): a PubAck is not an fsync, so a power loss of the server can lose acked messages", max(cfg.Replicas, 1)), fix)
 	}
-	if p.cfg.ExactlyOnce {
+	if p.cfg.Delivery.ExactlyOnce() {
 		p.checkExactlyOnce(ctx, &l, s, maxOutage)
 	}
-	if p.cfg.AtomicTransactions {
+	if p.cfg.Delivery.Atomic() {
 		p.checkAtomic(ctx, &l, true, cfg.AllowAtomicPublish)
 	}
-	if cfg.Retention != jetstream.LimitsPolicy && !p.cfg.ExactlyOnce {
+	if cfg.Retention != jetstream.LimitsPolicy && !p.cfg.Delivery.ExactlyOnce() {
 		l.Add(check.Warning, "nats.retention", "retention is not limits: removed messages take their dedup ids with them", "prefer limits retention for the outbox stream")
 	}
 	return l

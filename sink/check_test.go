@@ -9,6 +9,7 @@ import (
 
 	"github.com/jetbox-dev/jetbox/internal/check"
 	"github.com/jetbox-dev/jetbox/internal/testenv"
+	"github.com/jetbox-dev/jetbox/sink"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
@@ -70,7 +71,7 @@ func TestCheckExactlyOnceStream(t *testing.T) {
 				}
 			}
 			cfg := baseConfig()
-			cfg.Stream, cfg.ExactlyOnce = name, true
+			cfg.Stream, cfg.Delivery = name, sink.ExactlyOnce
 			found := findings(newPublisher(t, n, cfg).Check(ctx, 10*time.Minute), "nats.exactly_once")
 			var hit *check.Finding
 			for i, f := range found {
@@ -90,7 +91,7 @@ func TestCheckExactlyOnceStream(t *testing.T) {
 			case string(hit.Severity) != c.severity || !strings.Contains(hit.What, c.what) || !strings.Contains(hit.Hint, "--delivery=dedup"):
 				t.Fatalf("got %+v, want %s %q with a --delivery=dedup fix", *hit, c.severity, c.what)
 			}
-			cfg.ExactlyOnce = false
+			cfg.Delivery = sink.DedupGuarded
 			if fs := newPublisher(t, n, cfg).Check(ctx, 10*time.Minute); check.Fatal(fs) {
 				t.Fatalf("dedup mode refuses the stream: %+v", fs)
 			}
@@ -100,7 +101,7 @@ func TestCheckExactlyOnceStream(t *testing.T) {
 	// A stream jetbox creates supports exactly-once.
 	_ = js.DeleteStream(ctx, prev)
 	cfg := baseConfig()
-	cfg.ExactlyOnce = true
+	cfg.Delivery = sink.ExactlyOnce
 	p := newPublisher(t, n, cfg)
 	if _, err := p.EnsureStream(ctx); err != nil {
 		t.Fatal(err)

@@ -16,7 +16,7 @@ import (
 
 // What both publishing sessions share: where a session resumes (resume and
 // its cursor), the counters (record), and the invalid-row errors they build.
-// Session (jetstream.go) and AtomicSession (atomic.go) sit on top.
+// Session (pipeline.go) and AtomicSession (atomic.go) sit on top.
 
 // Stats are cumulative publishing counters.
 type Stats struct {
@@ -77,25 +77,28 @@ func tooLarge(id string, pos format.Position, what string) *decoder.InvalidEvent
 var ErrForeignMessage = errors.New("the stream holds a message jetbox did not write")
 
 // cursor is where a session resumes: the stream and its last message as
-// resume found them when the session opened.
+// resume found them when the session opened. Which mode-specific fields are
+// set is up to the mode's resume: resumeExactlyOnce sets skip, watermark
+// and chain; resumeDedup only watermark.
 type cursor struct {
 	stream jetstream.Stream
 	seq    uint64          // the stream's last sequence; 0: the stream is empty
 	id     string          // the last message's Nats-Msg-Id ("" if it was not read)
 	pos    format.Position // its position (zero if it has none or was not read)
-	// skip (exactly-once): the last message is this source's, so an event
-	// at or before pos is a replay the stream holds, skipped by position.
-	skip bool
-	// watermark: the stream holds this source's events in order up to pos,
-	// so a Duplicate PubAck for an event at or before pos is a replay; one
-	// after it is checked against the original.
-	watermark bool
-	// chain (exactly-once): id is the message the first publish names in
-	// Nats-Expected-Last-Msg-Id (on an R1 stream).
-	chain bool
 	// abandoned: after an accepted lost history (ForgetHistory), what the
 	// stream holds of it at the positions the slot replays: position → id.
 	abandoned map[format.Position]string
+
+	// watermark (both modes): the stream holds this source's events in
+	// order up to pos, so a Duplicate PubAck for an event at or before pos
+	// is a replay; one after it is checked against the original.
+	watermark bool
+	// skip (exactly-once): the last message is this source's, so an event
+	// at or before pos is a replay the stream holds, skipped by position.
+	skip bool
+	// chain (exactly-once): id is the message the first publish names in
+	// Nats-Expected-Last-Msg-Id (on an R1 stream).
+	chain bool
 }
 
 // replay reports whether the event at pos with id is one the stream
@@ -159,8 +162,9 @@ func (c cursor) covers(pos format.Position) bool { return c.watermark && !c.pos.
 
 // resume checks the stream still exists and captures jetbox's subjects (so
 // a stream deleted or changed while jetbox runs stops it with a clear error
-// rather than retrying forever), then reads the stream's last message: the
-// watermark for duplicate checks and, in exactly-once mode, where to resume.
+// rather than retrying forever), then reads the stream's last message and
+// leaves the rest to the delivery mode: resumeExactlyOnce (where to resume)
+// or resumeDedup (the watermark for duplicate checks).
 //
 // source identifies this writer's WAL history: exactly-once mode refuses to
 // resume after a message from another one, unless repair (a jetbox repair
@@ -169,23 +173,11 @@ func (p *Publisher) resume(ctx context.Context, source string, repair bool) (cur
 	outer := ctx
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	name := p.cfg.Stream
-	st, err := p.js.Stream(ctx, name)
-	if errors.Is(err, jetstream.ErrStreamNotFound) {
-		return cursor{}, &PermanentError{Err: fmt.Errorf("stream %q does not exist (deleted while jetbox ran?)", name),
-			Hint: "nothing past the last stored event was confirmed to Postgres: restart jetbox, which creates the stream again and resumes from the slot (or create it yourself first)"}
-	}
+	st, err := p.liveStream(ctx)
 	if err != nil {
-		return cursor{}, fmt.Errorf("look up stream %q: %w", name, err)
+		return cursor{}, err
 	}
-	info := st.CachedInfo()
-	for _, want := range []string{p.cfg.SubjectPrefix + ".>", p.cfg.DeadLetterSubject + ".>"} {
-		if want != ".>" && !Captures(info.Config.Subjects, want) {
-			return cursor{}, &PermanentError{Err: fmt.Errorf("stream %q has subjects %q, which no longer capture %q (changed while jetbox ran?)", name, info.Config.Subjects, want),
-				Hint: fmt.Sprintf("add %q back to the stream's subjects (nats stream edit %s), then restart jetbox; nothing past the last stored event was confirmed", want, name)}
-		}
-	}
-	c := cursor{stream: st, seq: info.State.LastSeq}
+	c := cursor{stream: st, seq: st.CachedInfo().State.LastSeq}
 	if c.seq == 0 {
 		return c, nil
 	}
@@ -193,28 +185,72 @@ func (p *Publisher) resume(ctx context.Context, source string, repair bool) (cur
 		return cursor{}, err
 	}
 	m, err := st.GetMsg(ctx, c.seq)
+	if !p.cfg.Delivery.ExactlyOnce() {
+		return p.resumeDedup(c, m, err, source), nil
+	}
+	return p.resumeExactlyOnce(ctx, c, m, err, source, repair)
+}
+
+// liveStream looks the stream up and checks it still captures jetbox's
+// subjects (and the dead letters).
+func (p *Publisher) liveStream(ctx context.Context) (jetstream.Stream, error) {
+	name := p.cfg.Stream
+	st, err := p.js.Stream(ctx, name)
+	if errors.Is(err, jetstream.ErrStreamNotFound) {
+		return nil, &PermanentError{Err: fmt.Errorf("stream %q does not exist (deleted while jetbox ran?)", name),
+			Hint: "nothing past the last stored event was confirmed to Postgres: restart jetbox, which creates the stream again and resumes from the slot (or create it yourself first)"}
+	}
 	if err != nil {
-		if !p.cfg.ExactlyOnce {
-			return c, nil // no watermark: every Duplicate PubAck is checked
+		return nil, fmt.Errorf("look up stream %q: %w", name, err)
+	}
+	info := st.CachedInfo()
+	for _, want := range []string{p.cfg.SubjectPrefix + ".>", p.cfg.DeadLetterSubject + ".>"} {
+		if want != ".>" && !Captures(info.Config.Subjects, want) {
+			return nil, &PermanentError{Err: fmt.Errorf("stream %q has subjects %q, which no longer capture %q (changed while jetbox ran?)", name, info.Config.Subjects, want),
+				Hint: fmt.Sprintf("add %q back to the stream's subjects (nats stream edit %s), then restart jetbox; nothing past the last stored event was confirmed", want, name)}
 		}
-		if errors.Is(err, jetstream.ErrMsgNotFound) {
-			return cursor{}, &PermanentError{Err: fmt.Errorf("exactly-once: the stream's last message (seq %d) is gone", c.seq),
-				Hint: "exactly-once mode resumes from the stream's last message: use a retention that keeps it (limits, no max-age shorter than an outage), or --delivery=dedup"}
-		}
-		return cursor{}, fmt.Errorf("exactly-once: read the stream's last message (seq %d): %w", c.seq, err)
+	}
+	return st, nil
+}
+
+// sameSource reports whether the stream's last message m (at c.seq) is
+// this writer's (source): the same system, database and slot, and not of
+// a lost history an operator accepted (at or before forgotThrough, see
+// ForgetPositionsThrough). Replication checked that the server's timeline
+// continues the stream's (see sameWriter).
+func sameSource(c cursor, m *jetstream.RawStreamMsg, source string, forgotThrough uint64) bool {
+	return format.SameWriter(m.Header.Get(format.HeaderSource), source) && c.seq > forgotThrough
+}
+
+// resumeDedup completes c in dedup mode from the stream's last message m
+// (or getErr, the failure to read it): with the order guard, the watermark
+// covers up to m when m is this source's. Nothing is skipped by position.
+func (p *Publisher) resumeDedup(c cursor, m *jetstream.RawStreamMsg, getErr error, source string) cursor {
+	if getErr != nil {
+		return c // no watermark: every Duplicate PubAck is checked
 	}
 	pos, ok := format.ParsePosition(m.Header)
-	// The same system, database and slot: replication checked that the
-	// server's timeline continues the stream's (see sameWriter), unless an
-	// operator accepted a lost history.
-	sameSource := format.SameWriter(m.Header.Get(format.HeaderSource), source) && c.seq > p.forgetThrough.Load()
 	c.id, c.pos = m.Header.Get(jetstream.MsgIDHeader), pos
-	if !p.cfg.ExactlyOnce {
-		// Without the order guard, rows after a refused one may be stored
-		// before it is retried: no watermark, check every Duplicate.
-		c.watermark = ok && sameSource && p.cfg.OrderGuard
-		return c, nil
+	// Without the order guard, rows after a refused one may be stored
+	// before it is retried: no watermark, check every Duplicate.
+	c.watermark = ok && sameSource(c, m, source, p.forgetThrough.Load()) && p.cfg.Delivery.Guarded()
+	return c
+}
+
+// resumeExactlyOnce completes c in exactly-once mode from the stream's
+// last message m (or getErr, the failure to read it): the session resumes
+// after m, skipping replays by position, once m is known to be this
+// source's and the messages since this process's last ack are jetbox's.
+func (p *Publisher) resumeExactlyOnce(ctx context.Context, c cursor, m *jetstream.RawStreamMsg, getErr error, source string, repair bool) (cursor, error) {
+	if errors.Is(getErr, jetstream.ErrMsgNotFound) {
+		return cursor{}, &PermanentError{Err: fmt.Errorf("exactly-once: the stream's last message (seq %d) is gone", c.seq),
+			Hint: "exactly-once mode resumes from the stream's last message: use a retention that keeps it (limits, no max-age shorter than an outage), or --delivery=dedup"}
 	}
+	if getErr != nil {
+		return cursor{}, fmt.Errorf("exactly-once: read the stream's last message (seq %d): %w", c.seq, getErr)
+	}
+	pos, ok := format.ParsePosition(m.Header)
+	c.id, c.pos = m.Header.Get(jetstream.MsgIDHeader), pos
 	if !ok {
 		return cursor{}, &PermanentError{Err: fmt.Errorf("exactly-once: %w (seq %d, subject %s)", ErrForeignMessage, c.seq, m.Subject),
 			Hint: "exactly-once mode needs jetbox to be the stream's only writer: stop the other publisher (or use --delivery=dedup), then restart jetbox"}
@@ -232,11 +268,11 @@ func (p *Publisher) resume(ctx context.Context, source string, repair bool) (cur
 		p.log.Warn().Uint64("seq", c.seq).Msg("exactly-once: the stream's last message belongs to an abandoned WAL history: skipping nothing by position")
 		return c, nil
 	}
-	if !sameSource {
+	if !sameSource(c, m, source, p.forgetThrough.Load()) {
 		return cursor{}, &PermanentError{Err: fmt.Errorf("exactly-once: the stream's last message (seq %d) comes from %q, this jetbox reads %q", c.seq, m.Header.Get(format.HeaderSource), source),
 			Hint: "positions from another database, slot or cluster are not comparable: give each jetbox its own stream, or use --delivery=dedup"}
 	}
-	if err := p.checkSinceLastAck(ctx, st, source, c.seq); err != nil {
+	if err := p.checkSinceLastAck(ctx, c.stream, source, c.seq); err != nil {
 		return cursor{}, err
 	}
 	// Every message up to the last is now known to be jetbox's, in order:

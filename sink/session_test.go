@@ -194,7 +194,7 @@ func TestExactlyOnceClusterResume(t *testing.T) {
 	}
 	setup := func(t *testing.T, name string) sink.Config {
 		cfg := baseConfig()
-		cfg.Stream, cfg.SubjectPrefix, cfg.ExactlyOnce, cfg.MaxPending = name, "outbox", true, 1024
+		cfg.Stream, cfg.SubjectPrefix, cfg.Delivery, cfg.MaxPending = name, "outbox", sink.ExactlyOnce, 1024
 		if _, err := js.CreateStream(ctx, jetstream.StreamConfig{Name: name, Subjects: []string{"outbox.>"},
 			Storage: jetstream.FileStorage, Replicas: 3, Duplicates: time.Minute}); err != nil {
 			t.Fatal(err)
@@ -294,7 +294,7 @@ func TestExactlyOnceLostAcksAddUp(t *testing.T) {
 	}
 	n := testenv.StartNATS(t)
 	cfg := baseConfig()
-	cfg.ExactlyOnce, cfg.MaxPending = true, 8 // a check bound of 8+16 messages
+	cfg.Delivery, cfg.MaxPending = sink.ExactlyOnce, 8 // a check bound of 8+16 messages
 	p := newPublisher(t, n, cfg)
 	lost := newPublisher(t, n, cfg)
 	ctx := context.Background()
@@ -340,7 +340,7 @@ func TestExactlyOnceAfterAnotherInstance(t *testing.T) {
 		t.Skip("server test")
 	}
 	cfg := baseConfig()
-	cfg.ExactlyOnce, cfg.MaxPending = true, 8 // a window of 8+16 messages
+	cfg.Delivery, cfg.MaxPending = sink.ExactlyOnce, 8 // a window of 8+16 messages
 	ctx := context.Background()
 	session := func(t *testing.T, p *sink.Publisher, evs []*decoder.Event) error {
 		t.Helper()

@@ -40,7 +40,23 @@ func streamPublisher(t *testing.T, n *testenv.NATS, cfg sink.Config) *sink.Publi
 
 func baseConfig() sink.Config {
 	return sink.Config{Stream: "OUTBOX", SubjectPrefix: "outbox", DuplicateWindow: time.Minute,
-		PublishTimeout: 5 * time.Second, MaxPending: 64, OrderGuard: true}
+		PublishTimeout: 5 * time.Second, MaxPending: 64, Delivery: sink.DedupGuarded}
+}
+
+// dedup is dedup mode, with the order guard or without.
+func dedup(guard bool) sink.Delivery {
+	if guard {
+		return sink.DedupGuarded
+	}
+	return sink.Dedup
+}
+
+// exactlyOnce is exactly-once mode, or else dedup with the order guard.
+func exactlyOnce(exactly bool) sink.Delivery {
+	if exactly {
+		return sink.ExactlyOnce
+	}
+	return sink.DedupGuarded
 }
 
 func event(id, agg, typ string) *decoder.Event {
@@ -135,7 +151,7 @@ func TestOrderGuardRefusesAfterALostMessage(t *testing.T) {
 	for _, guard := range []bool{true, false} {
 		n := testenv.StartNATS(t)
 		cfg := baseConfig()
-		cfg.OrderGuard, cfg.SubjectPrefix = guard, "outbox.ok"
+		cfg.Delivery, cfg.SubjectPrefix = dedup(guard), "outbox.ok"
 		p := newPublisher(t, n, cfg)
 		_, js := n.Connect(t)
 		if _, err := js.CreateStream(context.Background(), jetstream.StreamConfig{Name: "OUTBOX", Subjects: []string{"outbox.ok.>"}}); err != nil {
@@ -251,7 +267,7 @@ func TestSessionCloseConcurrent(t *testing.T) {
 func TestExactlyOnceRefusesAnotherSource(t *testing.T) {
 	n := testenv.StartNATS(t)
 	cfg := baseConfig()
-	cfg.ExactlyOnce = true
+	cfg.Delivery = sink.ExactlyOnce
 	p := streamPublisher(t, n, cfg)
 	s, err := p.Open(context.Background(), "sys/1/app/jetbox")
 	if err != nil {
@@ -297,7 +313,7 @@ func TestRepeatedIDDetected(t *testing.T) {
 	for _, guard := range []bool{true, false} {
 		n := testenv.StartNATS(t)
 		cfg := baseConfig()
-		cfg.OrderGuard = guard
+		cfg.Delivery = dedup(guard)
 		p := streamPublisher(t, n, cfg)
 		isDup := func(err error) bool {
 			var ie *decoder.InvalidEventError
@@ -354,7 +370,7 @@ func TestStreamGoneOrChanged(t *testing.T) {
 func TestAckFromAnotherStream(t *testing.T) {
 	n := testenv.StartNATS(t)
 	cfg := baseConfig()
-	cfg.OrderGuard = false // else the expected sequence alone refuses it
+	cfg.Delivery = sink.Dedup // else the expected sequence alone refuses it
 	p := streamPublisher(t, n, cfg)
 	ctx := context.Background()
 	s, err := p.Open(ctx, "test")
@@ -436,7 +452,7 @@ func TestAcceptedLostHistoryNotStoredTwice(t *testing.T) {
 		t.Run(fmt.Sprintf("exactly-once=%v", exactly), func(t *testing.T) {
 			n := testenv.StartNATS(t)
 			cfg := baseConfig()
-			cfg.ExactlyOnce, cfg.DuplicateWindow = exactly, 100*time.Millisecond
+			cfg.Delivery, cfg.DuplicateWindow = exactlyOnce(exactly), 100*time.Millisecond
 			p := streamPublisher(t, n, cfg)
 			ev := func(id string, lsn uint64) *decoder.Event {
 				e := event(id, "order", "E")

@@ -58,7 +58,7 @@ func TestSkipHeldTrustsOnlyExactlyOnceResume(t *testing.T) {
 		{"dedup, before the tip", false, false, format.Position{CommitLSN: 0x3000}, false},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			p := &Publisher{cfg: Config{ExactlyOnce: c.exact, OrderGuard: true, Metrics: metrics.New()}}
+			p := &Publisher{cfg: Config{Delivery: map[bool]Delivery{true: ExactlyOnce, false: DedupGuarded}[c.exact], Metrics: metrics.New()}}
 			p.replays = replays{source: src, hasWM: true, wm: watermark{Seq: 90, CommitLSN: tip.CommitLSN, TxIndex: tip.TxIndex}}
 			cur := cursor{seq: 90, pos: tip, watermark: true, skip: c.exact, chain: c.exact}
 			if c.forget {

@@ -12,7 +12,7 @@ import (
 // EnsureStream creates the stream when it is missing (subjects "<prefix>.>",
 // limits retention, the StreamSpec's replicas, limits, storage and discard,
 // the configured duplicate window, atomic publish allowed with
-// AtomicTransactions) and otherwise checks that the existing stream captures
+// ExactlyOnceAtomic) and otherwise checks that the existing stream captures
 // "<prefix>.>" (and allows atomic publish when needed); it never changes an
 // existing stream, and logs a warning with the `nats stream edit` line when
 // it differs from the settings given (Drift).
@@ -33,7 +33,7 @@ func (p *Publisher) EnsureStream(ctx context.Context) (*jetstream.StreamInfo, er
 		p.log.Info().Strs("subjects", subjects).Int("replicas", cfg.Replicas).Str("replicas_from", why).
 			Dur("max_age", cfg.MaxAge).Int64("max_bytes", cfg.MaxBytes).Int64("max_msgs", cfg.MaxMsgs).
 			Str("storage", StorageText(cfg.Storage)).Str("discard", DiscardText(cfg.Discard)).
-			Dur("duplicate_window", cfg.Duplicates).Bool("allow_atomic", p.cfg.AtomicTransactions).Msg("created stream")
+			Dur("duplicate_window", cfg.Duplicates).Bool("allow_atomic", p.cfg.Delivery.Atomic()).Msg("created stream")
 	case err != nil:
 		return nil, fmt.Errorf("look up stream %q: %w", p.cfg.Stream, err)
 	default:
@@ -50,7 +50,7 @@ func (p *Publisher) EnsureStream(ctx context.Context) (*jetstream.StreamInfo, er
 		return info, fmt.Errorf("stream %q has subjects %q, which do not capture the dead letters %q: add %q to the stream's subjects, or change --dead-letter-subject",
 			p.cfg.Stream, info.Config.Subjects, dl, dl)
 	}
-	if p.cfg.AtomicTransactions {
+	if p.cfg.Delivery.Atomic() {
 		if err := p.atomicSupport(info.Config.AllowAtomicPublish); err != nil {
 			return info, err
 		}

@@ -90,7 +90,7 @@ func (p *Publisher) streamConfig(subjects []string) (jetstream.StreamConfig, str
 		Discard:     sp.Discard,
 		Duplicates:  p.cfg.DuplicateWindow,
 		// A server before 2.12 ignores it: checked by EnsureStream.
-		AllowAtomicPublish: p.cfg.AtomicTransactions,
+		AllowAtomicPublish: p.cfg.Delivery.Atomic(),
 	}, why
 }
 

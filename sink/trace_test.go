@@ -178,7 +178,7 @@ func TestAbandonedSpansEnd(t *testing.T) {
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 	p, err := New(nc, Config{Stream: "OUTBOX", SubjectPrefix: "outbox", DuplicateWindow: time.Minute, PublishTimeout: time.Minute,
-		MaxPending: 64, OrderGuard: true, TracerProvider: tp}, zerolog.Nop())
+		MaxPending: 64, Delivery: DedupGuarded, TracerProvider: tp}, zerolog.Nop())
 	if err != nil {
 		t.Fatal(err)
 	}

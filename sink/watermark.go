@@ -70,7 +70,7 @@ func (s *Session) loadWatermark(ctx context.Context, replicas int) {
 		r.source, r.hasWM, r.wm, r.kv = s.source, false, watermark{}, nil
 		clear(r.claims)
 	}
-	if !p.persistWM() || r.kv != nil {
+	if !p.cfg.Delivery.PersistsWatermark() || r.kv != nil {
 		return
 	}
 	r.replicas = replicas
@@ -111,19 +111,11 @@ func (p *Publisher) watermarkBucket(ctx context.Context, replicas int) (jetstrea
 	return kv, err
 }
 
-// guarded: publishes carry the order guard, so the stream holds this
-// source's events in position order.
-func (p *Publisher) guarded() bool { return p.cfg.ExactlyOnce || p.cfg.OrderGuard }
-
-// persistWM: dedup mode with the order guard keeps its watermark in the
-// bucket (exactly-once mode resumes from the stream's last message).
-func (p *Publisher) persistWM() bool { return !p.cfg.ExactlyOnce && p.cfg.OrderGuard }
-
 // advance moves the watermark to pos/seq (the end of an in-order prefix of
 // resolved events) and, in dedup mode, stores it before their done calls.
 func (s *Session) advance(pos format.Position, seq uint64) error {
 	p := s.p
-	if !p.guarded() {
+	if !p.cfg.Delivery.Guarded() {
 		return nil
 	}
 	p.rmu.Lock()
@@ -212,7 +204,7 @@ func (p *Publisher) claim(seq uint64, pos format.Position) bool {
 // apart.
 func (s *Session) provenReplay(pos format.Position, seq uint64) bool {
 	p := s.p
-	if !p.guarded() {
+	if !p.cfg.Delivery.Guarded() {
 		return false // without the order guard, positions prove nothing
 	}
 	p.rmu.Lock()

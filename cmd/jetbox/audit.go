@@ -243,7 +243,7 @@ func openStream(ctx context.Context, js jetstream.JetStream, name string) (jetst
 // compare audits the rows from since to the settings' until against the
 // stream, in one pass over each.
 func (a *auditor) compare(ctx context.Context, st jetstream.Stream, sr streamRange, tbl *replication.AuditTable, since time.Time) (audit.Report, error) {
-	acfg := audit.Config{Since: since, Until: a.s.until, Margin: a.s.margin, ExactlyOnce: a.s.cfg.Sink.ExactlyOnce, First: 10}
+	acfg := audit.Config{Since: since, Until: a.s.until, Margin: a.s.margin, ExactlyOnce: a.s.cfg.Sink.Delivery.ExactlyOnce(), First: 10}
 	aud := audit.New(acfg, a.rowFunc(tbl, since), tbl.Lookup)
 	if err := a.readStream(ctx, st, sr, since, aud); err != nil {
 		return audit.Report{}, err

@@ -420,7 +420,8 @@ func (f *RunFlags) Config() (Config, error) {
 	if c.Audit.Interval > 0 && c.Audit.Interval < time.Second {
 		bad("audit-interval", f.AuditInterval, "shorter than 1s", "use 0 (off) or e.g. 1h")
 	}
-	spec, dupWindow := f.streamSpec(bad, dur, publishTimeout, c.MaxOutage)
+	delivery := f.delivery(bad)
+	spec, dupWindow := f.streamSpec(bad, dur, delivery, publishTimeout, c.MaxOutage)
 	monitorInterval := dur("monitor-interval", f.MonitorInterval, 100*time.Millisecond, time.Hour)
 	maxRetained, err := parseBytes(f.MaxRetainedWAL)
 	if err != nil {
@@ -440,22 +441,6 @@ func (f *RunFlags) Config() (Config, error) {
 	maxBytes, err := parseBytes(f.MaxInFlightBytes)
 	if err != nil || maxBytes < 1024 {
 		bad("max-in-flight-bytes", f.MaxInFlightBytes, "not a size of at least 1KiB", "use e.g. 8MiB")
-	}
-	if f.Delivery != "dedup" && f.Delivery != "exactly-once" {
-		bad("delivery", f.Delivery, "unknown delivery mode", "use dedup or exactly-once (see docs/guarantees.md)")
-	}
-	orderGuard, err := strconv.ParseBool(string(f.OrderGuard))
-	if err != nil {
-		bad("order-guard", string(f.OrderGuard), "not a boolean", "use true or false")
-	} else if !orderGuard && f.Delivery == "exactly-once" {
-		bad("order-guard", string(f.OrderGuard), "conflicts with --delivery=exactly-once (the default), which always guards the order", "drop --order-guard=false, or add --delivery=dedup (for a stream shared with other publishers)")
-	}
-	atomicTx, err := strconv.ParseBool(string(f.AtomicTx))
-	if err != nil {
-		bad("atomic-transactions", string(f.AtomicTx), "not a boolean", "use true or false")
-	} else if atomicTx && f.Delivery != "exactly-once" {
-		bad("atomic-transactions", string(f.AtomicTx), "needs --delivery=exactly-once: JetStream refuses a whole atomic batch that holds an id it already stored, so replays must be skipped by position, not deduplicated",
-			"add --delivery=exactly-once (jetbox must then be the stream's only writer), or drop --atomic-transactions")
 	}
 	acceptLost, err := strconv.ParseBool(string(f.AcceptLostRows))
 	if err != nil {
@@ -510,7 +495,7 @@ func (f *RunFlags) Config() (Config, error) {
 	c.Replication = replication.Config{
 		Slot: f.Slot, Publication: f.Publication,
 		Decoder: decoder.Config{Schema: schema, Table: table, Columns: cols, SubjectPrefix: f.SubjectPrefix, DeadLetterSubject: deadLetter,
-			Subjects: subjects, MessagePrefix: messagePrefix, Atomic: atomicTx},
+			Subjects: subjects, MessagePrefix: messagePrefix, Atomic: delivery.Atomic()},
 		StatusInterval:     statusInterval,
 		Timeout:            pgTimeout,
 		MaxInFlight:        maxInFlight,
@@ -525,18 +510,50 @@ func (f *RunFlags) Config() (Config, error) {
 		PrimaryURL:         f.PrimaryURL,
 	}
 	c.Sink = sink.Config{Stream: f.Stream, SubjectPrefix: f.SubjectPrefix, DuplicateWindow: dupWindow, StreamSpec: spec,
-		PublishTimeout: publishTimeout, MaxPending: maxInFlight, MaxControlLine: maxCtlLine, OrderGuard: orderGuard, ExactlyOnce: f.Delivery == "exactly-once", DeadLetterSubject: deadLetter,
-		AtomicTransactions: atomicTx, SubjectFilter: filter, SubjectsHoldIDs: subjects != nil && subjects.UsesAggregateID(),
+		PublishTimeout: publishTimeout, MaxPending: maxInFlight, MaxControlLine: maxCtlLine, Delivery: delivery, DeadLetterSubject: deadLetter,
+		SubjectFilter: filter, SubjectsHoldIDs: subjects != nil && subjects.UsesAggregateID(),
 		IndexScheme: c.Replication.Decoder.IndexScheme(), JSDomain: n.JSDomain, Routing: c.Replication.Decoder.RoutingHeader()}
 	c.LogLevel, c.LogConsole = level, f.LogFormat == "console"
 	return c, nil
+}
+
+// delivery reads --delivery, --order-guard and --atomic-transactions into
+// one of the four delivery modes, reporting every value and combination
+// that is not one. An unknown --delivery counts as exactly-once for the
+// other checks (any value but dedup did before the mode was parsed).
+func (f *RunFlags) delivery(bad func(flag, value, problem, fix string)) sink.Delivery {
+	if f.Delivery != "dedup" && f.Delivery != "exactly-once" {
+		bad("delivery", f.Delivery, "unknown delivery mode", "use dedup or exactly-once (see docs/guarantees.md)")
+	}
+	orderGuard, err := strconv.ParseBool(string(f.OrderGuard))
+	if err != nil {
+		bad("order-guard", string(f.OrderGuard), "not a boolean", "use true or false")
+	} else if !orderGuard && f.Delivery == "exactly-once" {
+		bad("order-guard", string(f.OrderGuard), "conflicts with --delivery=exactly-once (the default), which always guards the order", "drop --order-guard=false, or add --delivery=dedup (for a stream shared with other publishers)")
+	}
+	atomicTx, err := strconv.ParseBool(string(f.AtomicTx))
+	if err != nil {
+		bad("atomic-transactions", string(f.AtomicTx), "not a boolean", "use true or false")
+	} else if atomicTx && f.Delivery != "exactly-once" {
+		bad("atomic-transactions", string(f.AtomicTx), "needs --delivery=exactly-once: JetStream refuses a whole atomic batch that holds an id it already stored, so replays must be skipped by position, not deduplicated",
+			"add --delivery=exactly-once (jetbox must then be the stream's only writer), or drop --atomic-transactions")
+	}
+	switch {
+	case f.Delivery == "dedup" && orderGuard:
+		return sink.DedupGuarded
+	case f.Delivery == "dedup":
+		return sink.Dedup
+	case atomicTx:
+		return sink.ExactlyOnceAtomic
+	}
+	return sink.ExactlyOnce
 }
 
 // streamSpec reads the --stream-* flags and --duplicate-window: what a
 // stream jetbox creates gets, and which settings were given (compared with
 // an existing stream). Empty, or auto where there is a choice, is the default.
 func (f *RunFlags) streamSpec(bad func(flag, value, problem, fix string), dur func(flag, v string, min, max time.Duration) time.Duration,
-	publishTimeout, maxOutage time.Duration) (sink.StreamSpec, time.Duration) {
+	delivery sink.Delivery, publishTimeout, maxOutage time.Duration) (sink.StreamSpec, time.Duration) {
 	sp := sink.StreamSpec{Given: map[string]bool{}, MaxBytes: -1, MaxMsgs: -1}
 	given := func(key, v string) bool {
 		if v == "" || v == "auto" {
@@ -556,7 +573,7 @@ func (f *RunFlags) streamSpec(bad func(flag, value, problem, fix string), dur fu
 		sp.MaxAge = dur("stream-max-age", f.StreamMaxAge, 0, 0)
 		if sp.MaxAge > 0 && sp.MaxAge < time.Second {
 			bad("stream-max-age", f.StreamMaxAge, "shorter than 1s", "use 0 (no max age) or e.g. 168h")
-		} else if sp.MaxAge > 0 && f.Delivery != "dedup" && sp.MaxAge < maxOutage {
+		} else if sp.MaxAge > 0 && delivery.ExactlyOnce() && sp.MaxAge < maxOutage {
 			bad("stream-max-age", f.StreamMaxAge, fmt.Sprintf("shorter than --max-outage %s: exactly-once resumes from the stream's last message, which this max age expires during such an outage", maxOutage),
 				"drop --stream-max-age (no max age), keep it far above --max-outage, or add --delivery=dedup")
 		}
@@ -608,7 +625,7 @@ func (f *RunFlags) streamSpec(bad func(flag, value, problem, fix string), dur fu
 			bad("duplicate-window", f.DuplicateWindow, fmt.Sprintf("longer than --stream-max-age %s (JetStream refuses it)", sp.MaxAge), "use a window no longer than the max age")
 		}
 	} else {
-		window = sink.DuplicateWindowFor(f.Delivery != "dedup", publishTimeout, maxOutage)
+		window = sink.DuplicateWindowFor(delivery.ExactlyOnce(), publishTimeout, maxOutage)
 		if sp.MaxAge > 0 && window > sp.MaxAge {
 			window = sp.MaxAge // as JetStream caps it
 		}

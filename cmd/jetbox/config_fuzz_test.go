@@ -94,7 +94,7 @@ func FuzzConfig(f *testing.F) {
 		if r.Decoder.MessagePrefix == decoder.HeartbeatPrefix || (r.Decoder.MessagePrefix == "" && r.Decoder.Table == "") {
 			t.Fatalf("source: table %q, message prefix %q", r.Decoder.Table, r.Decoder.MessagePrefix)
 		}
-		if s.ExactlyOnce && !s.OrderGuard {
+		if s.Delivery.ExactlyOnce() && !s.Delivery.Guarded() {
 			t.Fatal("exactly-once accepted without the order guard")
 		}
 	})

@@ -68,7 +68,7 @@ func TestFlagDefaults(t *testing.T) {
 		{"--standby-retry", cfg.Replication.StandbyRetry, replication.DefaultStandbyRetry},
 		{"--monitor-interval", cfg.Replication.MonitorInterval, replication.DefaultMonitorInterval},
 		{"the column flags", cfg.Replication.Decoder.Columns, decoder.DefaultColumns},
-		{"--delivery", cfg.Sink.ExactlyOnce, DefaultDelivery == "exactly-once"},
+		{"--delivery", cfg.Sink.Delivery.ExactlyOnce(), DefaultDelivery == "exactly-once"},
 	} {
 		if d.got != d.want {
 			t.Errorf("%s defaults to %v, the package constant is %v", d.what, d.got, d.want)

@@ -190,7 +190,7 @@ func (r *repairer) run(ctx context.Context) (int, error) {
 
 	st := &repairState{total: total, started: time.Now()}
 	rcfg := repair.Config{Decoder: cfg.Replication.Decoder, Columns: rep.Columns(), Origin: rep.Origin, Position: rep.ConsistentPoint - 1,
-		SinceHeader: rg.Header, Stored: ids, Skew: r.margin, Atomic: cfg.Sink.AtomicTransactions, Ordered: cfg.Sink.ExactlyOnce || cfg.Sink.OrderGuard,
+		SinceHeader: rg.Header, Stored: ids, Skew: r.margin, Atomic: cfg.Sink.Delivery.Atomic(), Ordered: cfg.Sink.Delivery.Guarded(),
 		MaxInFlight: cfg.Replication.MaxInFlight, MaxInFlightBytes: cfg.Replication.MaxInFlightBytes,
 		CloseTimeout: cfg.Sink.PublishTimeout + 10*time.Second, Log: r.log}
 	stream := repairStream{p: pub, source: rep.Origin}

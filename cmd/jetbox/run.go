@@ -48,11 +48,7 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 		debug.SetGCPercent(200)
 	}
 	log := newLogger(cfg, stdout)
-	delivery := "dedup"
-	if cfg.Sink.ExactlyOnce {
-		delivery = "exactly-once"
-	}
-	start := log.Info().Str("version", version).Str("delivery", delivery).Str("slot", cfg.Replication.Slot).Str("stream", cfg.Sink.Stream)
+	start := log.Info().Str("version", version).Str("delivery", cfg.Sink.Delivery.Flag()).Str("slot", cfg.Replication.Slot).Str("stream", cfg.Sink.Stream)
 	if d := cfg.Replication.Decoder; d.Table != "" {
 		start = start.Str("table", d.Schema+"."+d.Table)
 	}
@@ -134,7 +130,7 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 	if dl := cfg.Replication.Decoder.DeadLetterSubject; dl != "" {
 		log.Info().Str("subject", dl+".<reason>").Msg("rows that cannot be published become dead letters")
 	}
-	streamer, err := replication.New(cfg.PostgresURL, cfg.Replication, sinkAdapter{p: pub, atomic: cfg.Sink.AtomicTransactions}, log)
+	streamer, err := replication.New(cfg.PostgresURL, cfg.Replication, sinkAdapter{p: pub, atomic: cfg.Sink.Delivery.Atomic()}, log)
 	if err != nil {
 		log.Error().Err(err).Msg("start replication")
 		return exitConfig
@@ -149,7 +145,7 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 		ops.nats.Store(pub)
 		ops.audit.Store(audits)
 	}
-	if !cfg.Sink.OrderGuard && !cfg.Sink.ExactlyOnce {
+	if !cfg.Sink.Delivery.Guarded() {
 		log.Warn().Msg("--order-guard=false: after a lost publish, later events may be stored before it is republished (out of commit order)")
 	}
 	// A CLOSED connection never comes back (nats.go does not reconnect from
