@@ -224,26 +224,104 @@ var (
 
 // Config validates the flags and returns every problem at once, joined.
 func (f *RunFlags) Config() (Config, error) {
-	var errs []error
-	bad := func(flag, value, problem, fix string) {
-		errs = append(errs, &ConfigError{Flag: flag, Env: envName(flag), Value: value, Problem: problem, Hint: fix})
-	}
-	dur := func(flag, v string, min, max time.Duration) time.Duration {
-		d, err := time.ParseDuration(v)
-		if err != nil {
-			bad(flag, v, "not a duration", "use a Go duration such as 500ms, 30s or 2m")
-			return 0
-		}
-		if d < min || (max > 0 && d > max) {
-			bad(flag, v, "out of range", fmt.Sprintf("use a value between %s and %s", min, max))
-		}
-		return d
-	}
-	n := f.natsFlags(bad)
+	p := &problems{}
+	n := f.natsFlags(p.bad)
 	c := Config{PostgresURL: f.PostgresURL, NatsURL: n.URL, HTTPAddr: f.HTTPAddr, NATS: NATSAuth{
 		Creds: n.Creds, NKey: n.NKey, User: n.User, Password: n.Password, Token: n.Token,
 		TLSCA: n.TLSCA, TLSCert: n.TLSCert, TLSKey: n.TLSKey, TLSFirst: n.TLSFirst, UserJWT: n.UserJWT, UserSeed: n.UserSeed,
 		InboxPrefix: n.InboxPrefix, Name: connectionName(f.Slot)}}
+	f.checkNATS(n, p.bad)
+	f.checkServers(p.bad)
+	if f.NatsURL == "embedded" {
+		c.NatsListen, c.NatsStoreDir = f.NatsListen, f.NatsStoreDir
+	}
+	schema, table := f.checkNames(p.bad)
+	fromTable, messagePrefix := f.sources(p.bad)
+	subjects := f.subjects(p.bad)
+	cols := f.columns(p.bad)
+	t := f.timings(p)
+	c.MaxOutage = t.maxOutage
+	c.FinalScrapeWait = p.dur("final-scrape-wait", f.FinalScrape, 0, 10*time.Minute)
+	c.Audit = f.auditLoop(p, fromTable)
+	delivery := f.delivery(p.bad)
+	spec, dupWindow := f.streamSpec(p.bad, p.dur, delivery, t.publish, c.MaxOutage)
+	l := f.limits(p.bad)
+	acceptLost := p.boolean("accept-lost-rows", f.AcceptLostRows)
+	allowRouting := p.boolean("allow-routing-change", f.AllowRouting)
+	deadLetter := f.deadLetterSubject(p.bad)
+	level := f.logging(p.bad)
+	if err := p.err(); err != nil {
+		return Config{}, err
+	}
+
+	if !fromTable {
+		schema, table = "", "" // no table: the decoder publishes no rows
+	}
+	filter := f.SubjectPrefix + ".*.*" // the default template's subjects
+	if subjects != nil {
+		filter = subjects.Filter(f.SubjectPrefix)
+	}
+	c.Replication = replication.Config{
+		Slot: f.Slot, Publication: f.Publication,
+		Decoder: decoder.Config{Schema: schema, Table: table, Columns: cols, SubjectPrefix: f.SubjectPrefix, DeadLetterSubject: deadLetter,
+			Subjects: subjects, MessagePrefix: messagePrefix, Atomic: delivery.Atomic()},
+		StatusInterval:     t.status,
+		Timeout:            t.postgres,
+		MaxInFlight:        l.inFlight,
+		MaxInFlightBytes:   l.inFlightBytes,
+		ShutdownTimeout:    t.shutdown,
+		StandbyRetry:       t.standbyRetry,
+		HeartbeatInterval:  t.heartbeat,
+		MaxRetainedWAL:     l.retainedWAL,
+		MonitorInterval:    t.monitor,
+		AcceptLostRows:     acceptLost,
+		AllowRoutingChange: allowRouting,
+		PrimaryURL:         f.PrimaryURL,
+	}
+	c.Sink = sink.Config{Stream: f.Stream, SubjectPrefix: f.SubjectPrefix, DuplicateWindow: dupWindow, StreamSpec: spec,
+		PublishTimeout: t.publish, MaxPending: l.inFlight, MaxControlLine: l.controlLine, Delivery: delivery, DeadLetterSubject: deadLetter,
+		SubjectFilter: filter, SubjectsHoldIDs: subjects != nil && subjects.UsesAggregateID(),
+		IndexScheme: c.Replication.Decoder.IndexScheme(), JSDomain: n.JSDomain, Routing: c.Replication.Decoder.RoutingHeader()}
+	c.LogLevel, c.LogConsole = level, f.LogFormat == "console"
+	return c, nil
+}
+
+// problems collects the configuration problems of one validation.
+type problems struct{ errs []error }
+
+// bad records that flag's value has problem, and the fix.
+func (p *problems) bad(flag, value, problem, fix string) {
+	p.errs = append(p.errs, &ConfigError{Flag: flag, Env: envName(flag), Value: value, Problem: problem, Hint: fix})
+}
+
+// dur parses flag's duration, within [min, max] (max 0: no bound).
+func (p *problems) dur(flag, v string, min, max time.Duration) time.Duration {
+	d, err := time.ParseDuration(v)
+	if err != nil {
+		p.bad(flag, v, "not a duration", "use a Go duration such as 500ms, 30s or 2m")
+		return 0
+	}
+	if d < min || (max > 0 && d > max) {
+		p.bad(flag, v, "out of range", fmt.Sprintf("use a value between %s and %s", min, max))
+	}
+	return d
+}
+
+// boolean parses a boolean flag.
+func (p *problems) boolean(flag string, v boolText) bool {
+	b, err := strconv.ParseBool(string(v))
+	if err != nil {
+		p.bad(flag, string(v), "not a boolean", "use true or false")
+	}
+	return b
+}
+
+// err is every problem, joined; nil when there is none.
+func (p *problems) err() error { return errors.Join(p.errs...) }
+
+// checkNATS checks the NATS credentials, TLS files and URLs (from the
+// flags and --nats-context, n).
+func (f *RunFlags) checkNATS(n natsFlags, bad func(flag, value, problem, fix string)) {
 	checkNATSNames(n, f.NatsContext, bad)
 	kinds := 0
 	for _, set := range []bool{f.NatsCreds != "", f.NatsNKey != "", f.NatsUser != "", f.NatsToken != ""} {
@@ -280,12 +358,35 @@ func (f *RunFlags) Config() (Config, error) {
 			}
 		}
 	}
+	if f.NatsURL == "embedded" {
+		if f.NatsStoreDir == "" {
+			bad("nats-store-dir", "", "required with --nats-url=embedded", "give a persistent directory for the embedded server's JetStream store")
+		}
+		if _, _, err := net.SplitHostPort(f.NatsListen); err != nil {
+			bad("nats-listen", f.NatsListen, "not host:port", "use e.g. 127.0.0.1:4222")
+		}
+		return
+	}
+	for _, u := range strings.Split(n.URL, ",") {
+		u = strings.TrimSpace(u)
+		pu, err := url.Parse(u)
+		if err != nil || pu.Host == "" || !map[string]bool{"nats": true, "tls": true, "ws": true, "wss": true}[pu.Scheme] {
+			if n.fromContext["nats-url"] {
+				bad("nats-context", f.NatsContext, "its url "+redact(u)+" is not a NATS URL", "fix the context's url, or give --nats-url")
+			} else {
+				bad("nats-url", u, "not a NATS URL", "use nats://host:4222 (or tls://, ws://, wss://; or embedded); separate several with commas")
+			}
+		}
+	}
+}
+
+// checkServers checks the Postgres URLs and the HTTP address.
+func (f *RunFlags) checkServers(bad func(flag, value, problem, fix string)) {
 	if f.HTTPAddr != "" {
 		if _, _, err := net.SplitHostPort(f.HTTPAddr); err != nil {
 			bad("http-addr", f.HTTPAddr, "not host:port", "use e.g. 127.0.0.1:8080 or :8080, or empty to disable")
 		}
 	}
-
 	if f.PostgresURL == "" {
 		bad("postgres-url", "", "required", "set JETBOX_POSTGRES_URL, e.g. postgres://jetbox:secret@127.0.0.1:5432/app?sslmode=disable")
 	} else if _, err := pgconn.ParseConfig(f.PostgresURL); err != nil {
@@ -296,28 +397,11 @@ func (f *RunFlags) Config() (Config, error) {
 			bad("primary-url", "", "cannot be parsed: "+redact(err.Error()), "use a libpq URL (postgres://user:pass@primary:5432/db) or a key=value DSN, the same database as --postgres-url")
 		}
 	}
-	if f.NatsURL == "embedded" {
-		if f.NatsStoreDir == "" {
-			bad("nats-store-dir", "", "required with --nats-url=embedded", "give a persistent directory for the embedded server's JetStream store")
-		}
-		if _, _, err := net.SplitHostPort(f.NatsListen); err != nil {
-			bad("nats-listen", f.NatsListen, "not host:port", "use e.g. 127.0.0.1:4222")
-		}
-		c.NatsListen, c.NatsStoreDir = f.NatsListen, f.NatsStoreDir
-	} else {
-		for _, u := range strings.Split(n.URL, ",") {
-			u = strings.TrimSpace(u)
-			pu, err := url.Parse(u)
-			if err != nil || pu.Host == "" || !map[string]bool{"nats": true, "tls": true, "ws": true, "wss": true}[pu.Scheme] {
-				if n.fromContext["nats-url"] {
-					bad("nats-context", f.NatsContext, "its url "+redact(u)+" is not a NATS URL", "fix the context's url, or give --nats-url")
-				} else {
-					bad("nats-url", u, "not a NATS URL", "use nats://host:4222 (or tls://, ws://, wss://; or embedded); separate several with commas")
-				}
-			}
-		}
-	}
+}
 
+// checkNames checks the table, slot, publication, stream and subject
+// prefix names; it returns the table's schema and name.
+func (f *RunFlags) checkNames(bad func(flag, value, problem, fix string)) (schema, table string) {
 	schema, table, ok := strings.Cut(f.Table, ".")
 	if !ok {
 		schema, table = "public", f.Table
@@ -337,7 +421,13 @@ func (f *RunFlags) Config() (Config, error) {
 	if err := decoder.ValidPrefix(f.SubjectPrefix); err != nil {
 		bad("subject-prefix", f.SubjectPrefix, err.Error(), "use dot-separated tokens without spaces or wildcards, e.g. outbox or acme.outbox")
 	}
-	fromTable, fromMessages := false, false
+	return schema, table
+}
+
+// sources reads --source: whether the table is a source, and the prefix of
+// outbox messages ("" when messages are not one).
+func (f *RunFlags) sources(bad func(flag, value, problem, fix string)) (fromTable bool, messagePrefix string) {
+	fromMessages := false
 	for _, src := range strings.Split(f.Source, ",") {
 		switch strings.TrimSpace(src) {
 		case "table":
@@ -354,16 +444,21 @@ func (f *RunFlags) Config() (Config, error) {
 			bad("source", f.Source, fmt.Sprintf("unknown source %q", strings.TrimSpace(src)), "use table, messages or table,messages")
 		}
 	}
-	messagePrefix := ""
 	if fromMessages {
 		messagePrefix = f.MessagePrefix
 		if err := decoder.ValidMessagePrefix(f.MessagePrefix); err != nil {
 			bad("message-prefix", f.MessagePrefix, err.Error(), "use the prefix your producers pass to pg_logical_emit_message: printable, without \"Nats-\" or spaces at the ends, at most "+strconv.Itoa(decoder.MaxMessagePrefix)+" bytes, e.g. jetbox (the default)")
 		}
 	}
-	// The template's syntax and the partition count are checked apart, so
-	// both problems are reported, each under its own flag; --partitions is
-	// blamed only for not matching the template's {partition}.
+	return fromTable, messagePrefix
+}
+
+// subjects reads --subject-template and --partitions: the template, nil for
+// the default one (which keeps the historical subject code and hints).
+// The template's syntax and the partition count are checked apart, so
+// both problems are reported, each under its own flag; --partitions is
+// blamed only for not matching the template's {partition}.
+func (f *RunFlags) subjects(bad func(flag, value, problem, fix string)) *decoder.Template {
 	partitions, err := strconv.Atoi(f.Partitions)
 	badPartitions := err != nil || partitions < 0 || partitions > 100000
 	if badPartitions {
@@ -374,20 +469,30 @@ func (f *RunFlags) Config() (Config, error) {
 	if hasPartition {
 		syntaxN = 1
 	}
-	var subjects *decoder.Template
 	if _, err := decoder.ParseTemplate(f.SubjectTemplate, syntaxN); err != nil {
 		bad("subject-template", f.SubjectTemplate, err.Error(), "write tokens separated by '.', {prefix} first, e.g. {prefix}.{aggregate_type}.{partition}.{event_type} with --partitions=16 (see docs/routing.md)")
-	} else if !badPartitions {
-		if tpl, err := decoder.ParseTemplate(f.SubjectTemplate, partitions); err != nil {
-			flag, value := "partitions", f.Partitions
-			if hasPartition {
-				flag, value = "subject-template", f.SubjectTemplate // {partition} without a count
-			}
-			bad(flag, value, err.Error(), "give --partitions=N (N ≥ 1) exactly when the template has {partition}, e.g. {prefix}.{aggregate_type}.{partition}.{event_type} with --partitions=16")
-		} else if f.SubjectTemplate != decoder.DefaultSubjectTemplate {
-			subjects = tpl // nil keeps the historical subject code and hints
-		}
+		return nil
 	}
+	if badPartitions {
+		return nil
+	}
+	tpl, err := decoder.ParseTemplate(f.SubjectTemplate, partitions)
+	if err != nil {
+		flag, value := "partitions", f.Partitions
+		if hasPartition {
+			flag, value = "subject-template", f.SubjectTemplate // {partition} without a count
+		}
+		bad(flag, value, err.Error(), "give --partitions=N (N ≥ 1) exactly when the template has {partition}, e.g. {prefix}.{aggregate_type}.{partition}.{event_type} with --partitions=16")
+		return nil
+	}
+	if f.SubjectTemplate == decoder.DefaultSubjectTemplate {
+		return nil
+	}
+	return tpl
+}
+
+// columns reads the --*-column flags: each role its own column.
+func (f *RunFlags) columns(bad func(flag, value, problem, fix string)) decoder.Columns {
 	cols := decoder.Columns{ID: f.IDColumn, AggregateType: f.AggregateTypeColumn, AggregateID: f.AggregateIDColumn,
 		EventType: f.EventTypeColumn, Payload: f.PayloadColumn, Headers: f.HeadersColumn}
 	seen := map[string]string{}
@@ -402,62 +507,89 @@ func (f *RunFlags) Config() (Config, error) {
 		}
 		seen[fc.col] = fc.flag
 	}
+	return cols
+}
 
-	// Below the 2-minute bound jetbox waits for a session's acks before republishing.
-	publishTimeout := dur("publish-timeout", f.PublishTimeout, 100*time.Millisecond, 90*time.Second)
-	statusInterval := dur("status-interval", f.StatusInterval, 10*time.Millisecond, 10*time.Second)
-	pgTimeout := dur("postgres-timeout", f.PostgresTimeout, time.Second, 10*time.Minute)
-	shutdownTimeout := dur("shutdown-timeout", f.ShutdownTimeout, 0, 10*time.Minute)
-	standbyRetry := dur("standby-retry", f.StandbyRetry, 50*time.Millisecond, time.Minute)
-	heartbeat := dur("heartbeat-interval", f.Heartbeat, 0, time.Hour)
-	if heartbeat > 0 && heartbeat < time.Second {
-		bad("heartbeat-interval", f.Heartbeat, "shorter than 1s", "use 0 (off) or e.g. 10s")
+// timings are the periods and timeouts of the flags.
+type timings struct {
+	publish, status, postgres, shutdown, standbyRetry, heartbeat, monitor, maxOutage time.Duration
+}
+
+// timings reads the duration flags and checks them against each other.
+func (f *RunFlags) timings(p *problems) timings {
+	t := timings{
+		// Below the 2-minute bound jetbox waits for a session's acks before republishing.
+		publish:      p.dur("publish-timeout", f.PublishTimeout, 100*time.Millisecond, 90*time.Second),
+		status:       p.dur("status-interval", f.StatusInterval, 10*time.Millisecond, 10*time.Second),
+		postgres:     p.dur("postgres-timeout", f.PostgresTimeout, time.Second, 10*time.Minute),
+		shutdown:     p.dur("shutdown-timeout", f.ShutdownTimeout, 0, 10*time.Minute),
+		standbyRetry: p.dur("standby-retry", f.StandbyRetry, 50*time.Millisecond, time.Minute),
+		heartbeat:    p.dur("heartbeat-interval", f.Heartbeat, 0, time.Hour),
+		maxOutage:    p.dur("max-outage", f.MaxOutage, 0, 0),
 	}
-	c.MaxOutage = dur("max-outage", f.MaxOutage, 0, 0)
-	c.FinalScrapeWait = dur("final-scrape-wait", f.FinalScrape, 0, 10*time.Minute)
-	c.Audit = AuditLoopConfig{Interval: dur("audit-interval", f.AuditInterval, 0, 24*time.Hour), Grace: dur("audit-grace", f.AuditGrace, 0, 24*time.Hour),
-		Margin: dur("audit-margin", f.AuditMargin, 0, 24*time.Hour), PageSize: 10_000, CreatedAtColumn: f.CreatedAtColumn}
-	if c.Audit.Interval > 0 && c.Audit.Interval < time.Second {
-		bad("audit-interval", f.AuditInterval, "shorter than 1s", "use 0 (off) or e.g. 1h")
+	if t.heartbeat > 0 && t.heartbeat < time.Second {
+		p.bad("heartbeat-interval", f.Heartbeat, "shorter than 1s", "use 0 (off) or e.g. 10s")
 	}
-	delivery := f.delivery(bad)
-	spec, dupWindow := f.streamSpec(bad, dur, delivery, publishTimeout, c.MaxOutage)
-	monitorInterval := dur("monitor-interval", f.MonitorInterval, 100*time.Millisecond, time.Hour)
+	t.monitor = p.dur("monitor-interval", f.MonitorInterval, 100*time.Millisecond, time.Hour)
+	if t.status > 0 && t.postgres > 0 && t.postgres < 3*t.status {
+		p.bad("postgres-timeout", f.PostgresTimeout, "shorter than 3 status intervals", "raise --postgres-timeout or lower --status-interval")
+	}
+	return t
+}
+
+// auditLoop reads the continuous audit's flags.
+func (f *RunFlags) auditLoop(p *problems, fromTable bool) AuditLoopConfig {
+	a := AuditLoopConfig{Interval: p.dur("audit-interval", f.AuditInterval, 0, 24*time.Hour), Grace: p.dur("audit-grace", f.AuditGrace, 0, 24*time.Hour),
+		Margin: p.dur("audit-margin", f.AuditMargin, 0, 24*time.Hour), PageSize: 10_000, CreatedAtColumn: f.CreatedAtColumn}
+	if a.Interval > 0 && a.Interval < time.Second {
+		p.bad("audit-interval", f.AuditInterval, "shorter than 1s", "use 0 (off) or e.g. 1h")
+	}
+	if a.Interval > 0 && !fromTable {
+		p.bad("audit-interval", f.AuditInterval, "the audit compares the outbox table's rows with the stream, and --source=messages has no table",
+			"drop --audit-interval (0), or audit a table source")
+	}
+	return a
+}
+
+// windowLimits are the sizes of the flags.
+type windowLimits struct {
+	inFlight, inFlightBytes, controlLine int
+	retainedWAL                          int64
+}
+
+// limits reads the count and size flags.
+func (f *RunFlags) limits(bad func(flag, value, problem, fix string)) windowLimits {
+	var l windowLimits
 	maxRetained, err := parseBytes(f.MaxRetainedWAL)
 	if err != nil {
 		bad("max-retained-wal", f.MaxRetainedWAL, "not a size", "use e.g. 1GiB, or 0 to disable")
 	}
-	if statusInterval > 0 && pgTimeout > 0 && pgTimeout < 3*statusInterval {
-		bad("postgres-timeout", f.PostgresTimeout, "shorter than 3 status intervals", "raise --postgres-timeout or lower --status-interval")
-	}
-	maxInFlight, err := strconv.Atoi(f.MaxInFlight)
-	if err != nil || maxInFlight < 1 || maxInFlight > 100000 {
+	l.retainedWAL = int64(maxRetained)
+	if l.inFlight, err = strconv.Atoi(f.MaxInFlight); err != nil || l.inFlight < 1 || l.inFlight > 100000 {
 		bad("max-in-flight", f.MaxInFlight, "not a count between 1 and 100000", "use e.g. 1024")
 	}
-	maxCtlLine, err := strconv.Atoi(f.NatsMaxCtlLine)
-	if err != nil || maxCtlLine < 256 || maxCtlLine > 1<<24 {
+	if l.controlLine, err = strconv.Atoi(f.NatsMaxCtlLine); err != nil || l.controlLine < 256 || l.controlLine > 1<<24 {
 		bad("nats-max-control-line", f.NatsMaxCtlLine, "not a size between 256 and 16777216 bytes", "use the server's max_control_line (nats-server's default: 4096)")
 	}
 	maxBytes, err := parseBytes(f.MaxInFlightBytes)
 	if err != nil || maxBytes < 1024 {
 		bad("max-in-flight-bytes", f.MaxInFlightBytes, "not a size of at least 1KiB", "use e.g. 8MiB")
 	}
-	acceptLost, err := strconv.ParseBool(string(f.AcceptLostRows))
-	if err != nil {
-		bad("accept-lost-rows", string(f.AcceptLostRows), "not a boolean", "use true or false")
-	}
-	allowRouting, err := strconv.ParseBool(string(f.AllowRouting))
-	if err != nil {
-		bad("allow-routing-change", string(f.AllowRouting), "not a boolean", "use true or false")
-	}
-	deadLetter := ""
+	l.inFlightBytes = maxBytes
+	return l
+}
+
+// deadLetterSubject reads --on-invalid and --dead-letter-subject: where
+// dead letters go, "" with --on-invalid=stop.
+func (f *RunFlags) deadLetterSubject(bad func(flag, value, problem, fix string)) string {
 	switch f.OnInvalid {
 	case "stop":
 		if f.DeadLetterSubj != "" {
 			bad("dead-letter-subject", f.DeadLetterSubj, "set while --on-invalid=stop, so never used", "add --on-invalid=dead-letter, or drop --dead-letter-subject")
 		}
+		return ""
 	case "dead-letter":
-		deadLetter = f.DeadLetterSubj
+		deadLetter := f.DeadLetterSubj
 		if deadLetter == "" {
 			deadLetter = format.DefaultDeadLetterSubject(f.SubjectPrefix)
 		}
@@ -467,9 +599,14 @@ func (f *RunFlags) Config() (Config, error) {
 			bad("dead-letter-subject", deadLetter, "inside the event subjects: it would collide with aggregate type "+strings.Split(rest, ".")[0],
 				"start the token after the prefix with '_' (e.g. "+format.DefaultDeadLetterSubject(f.SubjectPrefix)+") or use a subject outside "+f.SubjectPrefix+".>")
 		}
-	default:
-		bad("on-invalid", f.OnInvalid, "unknown policy", "use stop or dead-letter (see docs/guarantees.md)")
+		return deadLetter
 	}
+	bad("on-invalid", f.OnInvalid, "unknown policy", "use stop or dead-letter (see docs/guarantees.md)")
+	return ""
+}
+
+// logging reads --log-level and --log-format.
+func (f *RunFlags) logging(bad func(flag, value, problem, fix string)) zerolog.Level {
 	level, err := zerolog.ParseLevel(f.LogLevel)
 	if err != nil || f.LogLevel == "" {
 		bad("log-level", f.LogLevel, "unknown level", "use debug, info, warn or error")
@@ -477,44 +614,7 @@ func (f *RunFlags) Config() (Config, error) {
 	if f.LogFormat != "json" && f.LogFormat != "console" {
 		bad("log-format", f.LogFormat, "unknown format", "use json or console")
 	}
-	if c.Audit.Interval > 0 && !fromTable {
-		bad("audit-interval", f.AuditInterval, "the audit compares the outbox table's rows with the stream, and --source=messages has no table",
-			"drop --audit-interval (0), or audit a table source")
-	}
-	if len(errs) > 0 {
-		return Config{}, errors.Join(errs...)
-	}
-
-	if !fromTable {
-		schema, table = "", "" // no table: the decoder publishes no rows
-	}
-	filter := f.SubjectPrefix + ".*.*" // the default template's subjects
-	if subjects != nil {
-		filter = subjects.Filter(f.SubjectPrefix)
-	}
-	c.Replication = replication.Config{
-		Slot: f.Slot, Publication: f.Publication,
-		Decoder: decoder.Config{Schema: schema, Table: table, Columns: cols, SubjectPrefix: f.SubjectPrefix, DeadLetterSubject: deadLetter,
-			Subjects: subjects, MessagePrefix: messagePrefix, Atomic: delivery.Atomic()},
-		StatusInterval:     statusInterval,
-		Timeout:            pgTimeout,
-		MaxInFlight:        maxInFlight,
-		MaxInFlightBytes:   maxBytes,
-		ShutdownTimeout:    shutdownTimeout,
-		StandbyRetry:       standbyRetry,
-		HeartbeatInterval:  heartbeat,
-		MaxRetainedWAL:     int64(maxRetained),
-		MonitorInterval:    monitorInterval,
-		AcceptLostRows:     acceptLost,
-		AllowRoutingChange: allowRouting,
-		PrimaryURL:         f.PrimaryURL,
-	}
-	c.Sink = sink.Config{Stream: f.Stream, SubjectPrefix: f.SubjectPrefix, DuplicateWindow: dupWindow, StreamSpec: spec,
-		PublishTimeout: publishTimeout, MaxPending: maxInFlight, MaxControlLine: maxCtlLine, Delivery: delivery, DeadLetterSubject: deadLetter,
-		SubjectFilter: filter, SubjectsHoldIDs: subjects != nil && subjects.UsesAggregateID(),
-		IndexScheme: c.Replication.Decoder.IndexScheme(), JSDomain: n.JSDomain, Routing: c.Replication.Decoder.RoutingHeader()}
-	c.LogLevel, c.LogConsole = level, f.LogFormat == "console"
-	return c, nil
+	return level
 }
 
 // delivery reads --delivery, --order-guard and --atomic-transactions into
