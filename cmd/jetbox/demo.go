@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -18,6 +19,7 @@ import (
 	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/jetbox-dev/jetbox/internal/natsembed"
 	"github.com/jetbox-dev/jetbox/internal/pgcluster"
+	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -78,71 +80,28 @@ FROM o`
 
 func (d *demoCmd) run(ctx context.Context, stdout, stderr io.Writer) int {
 	say := func(format string, a ...any) { fmt.Fprintf(stdout, format+"\n", a...) }
+	fail := func(code int, what string, err error) int {
+		fmt.Fprintln(stderr, "jetbox demo:", what+err.Error())
+		return code
+	}
 	bin, err := pgcluster.FindBinDir()
 	if err != nil {
-		fmt.Fprintln(stderr, "jetbox demo:", err)
-		return exitConfig
+		return fail(exitConfig, "", err)
 	}
 	say("jetbox demo: starting a throwaway PostgreSQL (%s) and an embedded NATS server with JetStream...", bin)
-	cluster, err := pgcluster.New(pgcluster.Options{BinDir: bin})
-	if err != nil {
-		fmt.Fprintln(stderr, "jetbox demo:", err)
-		return exitFailure
-	}
-	defer cluster.Remove()
 	sctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
-	if err := cluster.Start(sctx); err != nil {
-		fmt.Fprintln(stderr, "jetbox demo:", err)
-		return exitFailure
-	}
-	store, err := os.MkdirTemp("", "jetbox-demo-nats-")
+	srv, err := startDemoServers(sctx, bin)
+	defer srv.close()
 	if err != nil {
-		fmt.Fprintln(stderr, "jetbox demo:", err)
-		return exitFailure
+		return fail(exitFailure, "", err)
 	}
-	defer os.RemoveAll(store)
-	srv, err := natsembed.Start(natsembed.Options{StoreDir: store})
-	if err != nil {
-		fmt.Fprintln(stderr, "jetbox demo:", err)
-		return exitFailure
-	}
-	defer natsembed.Stop(srv)
-	natsURL := srv.ClientURL()
-	httpAddr, err := freeAddr()
-	if err != nil {
-		fmt.Fprintln(stderr, "jetbox demo:", err)
-		return exitFailure
-	}
-
-	conn, err := pgx.Connect(sctx, cluster.DSN)
-	if err != nil {
-		fmt.Fprintln(stderr, "jetbox demo:", err)
-		return exitFailure
-	}
-	defer conn.Close(context.Background())
-	if _, err := conn.Exec(sctx, demoSchema); err != nil {
-		fmt.Fprintln(stderr, "jetbox demo: create tables:", err)
-		return exitFailure
-	}
-	say("  postgres  %s  (tables orders, outbox)", cluster.DSN)
-	say("  nats      %s  (stream OUTBOX, subjects outbox.>)", natsURL)
-	say("  jetbox    http://%s/metrics, /readyz", httpAddr)
+	say("  postgres  %s  (tables orders, outbox)", srv.cluster.DSN)
+	say("  nats      %s  (stream OUTBOX, subjects outbox.>)", srv.natsURL)
+	say("  jetbox    http://%s/metrics, /readyz", srv.httpAddr)
 
 	// The real forwarder, configured exactly as `jetbox run` would be.
-	var c cli
-	{
-		var k *kong.Kong
-		if k, err = kong.New(&c, kong.Name("jetbox"), kong.Vars(flagVars)); err == nil {
-			_, err = k.Parse([]string{"run", "--postgres-url=" + cluster.DSN, "--nats-url=" + natsURL,
-				"--http-addr=" + httpAddr, "--duplicate-window=10m", "--log-format=console", "--log-level=warn", "--source=table,messages"})
-		}
-	}
-	if err != nil {
-		fmt.Fprintln(stderr, "jetbox demo:", err)
-		return exitFailure
-	}
-	cfg, err := c.Run.Config()
+	cfg, err := demoConfig(srv)
 	if err != nil {
 		printProblems(stderr, "configuration", err)
 		return exitConfig
@@ -154,69 +113,15 @@ func (d *demoCmd) run(ctx context.Context, stdout, stderr io.Writer) int {
 		stopForwarder()
 		<-forwarderDone
 	}()
-
-	nc, err := nats.Connect(natsURL)
+	received, printMu, stopConsumer, code, err := d.consume(ctx, sctx, srv.natsURL, forwarderDone, stdout)
 	if err != nil {
-		fmt.Fprintln(stderr, "jetbox demo:", err)
-		return exitFailure
+		return fail(code, "", err)
 	}
-	defer nc.Close()
-	js, _ := jetstream.New(nc)
-	var stream jetstream.Stream
-	for stream == nil { // the forwarder creates the stream at start-up
-		if stream, err = js.Stream(sctx, "OUTBOX"); err != nil {
-			select {
-			case code := <-forwarderDone:
-				fmt.Fprintln(stderr, "jetbox demo: the forwarder stopped at start-up")
-				return code
-			case <-sctx.Done():
-				fmt.Fprintln(stderr, "jetbox demo: stream OUTBOX not created:", err)
-				return exitFailure
-			case <-time.After(50 * time.Millisecond):
-			}
-		}
-	}
-	cons, err := stream.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{})
-	if err != nil {
-		fmt.Fprintln(stderr, "jetbox demo:", err)
-		return exitFailure
-	}
-	received := make(chan struct{}, 1024)
-	var printMu sync.Mutex
-	cc, err := cons.Consume(func(m jetstream.Msg) {
-		printMu.Lock()
-		defer printMu.Unlock()
-		printEvent(stdout, m)
-		received <- struct{}{}
-	})
-	if err != nil {
-		fmt.Fprintln(stderr, "jetbox demo:", err)
-		return exitFailure
-	}
-	defer cc.Stop()
+	defer stopConsumer()
 
 	say("\nWriting %d sample orders, each a business row and its event in one transaction: even ones with an outbox row,\nodd ones with SELECT jetbox_emit(...) (a logical decoding message, no table); each arrives from a JetStream consumer:\n", d.Orders)
-	customers := []string{"ada", "grace", "linus", "barbara", "ken", "margaret"}
-	for i := 0; i < d.Orders; i++ {
-		producer := demoOrder
-		if i%2 == 1 {
-			producer = demoOrderMessage
-		}
-		if _, err := conn.Exec(ctx, producer, customers[i%len(customers)], 10+7*i); err != nil {
-			if ctx.Err() != nil {
-				return exitOK
-			}
-			fmt.Fprintln(stderr, "jetbox demo: write order:", err)
-			return exitFailure
-		}
-		select {
-		case <-ctx.Done():
-			return exitOK
-		case code := <-forwarderDone:
-			fmt.Fprintln(stderr, "jetbox demo: the forwarder stopped")
-			return code
-		case <-time.After(d.Interval):
-		}
+	if code, done := d.writeOrders(ctx, srv.conn, forwarderDone, stderr); done {
+		return code
 	}
 	for got := 0; got < d.Orders; got++ {
 		select {
@@ -230,10 +135,10 @@ func (d *demoCmd) run(ctx context.Context, stdout, stderr io.Writer) int {
 	}
 	printMu.Lock()
 	say("\nAll %d events arrived. Try next, in another terminal:", d.Orders)
-	say("  psql %q -c \"INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) VALUES ('order', '42', 'OrderShipped', '{\\\"carrier\\\": \\\"ups\\\"}')\"", cluster.DSN)
-	say("  psql %q -c \"SELECT jetbox_emit('order', '42', 'OrderDelivered', '{}')\"", cluster.DSN)
-	say("  nats --server %s sub 'outbox.>'          # live, as jetbox publishes", natsURL)
-	say("  nats --server %s stream view OUTBOX      # everything stored", natsURL)
+	say("  psql %q -c \"INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) VALUES ('order', '42', 'OrderShipped', '{\\\"carrier\\\": \\\"ups\\\"}')\"", srv.cluster.DSN)
+	say("  psql %q -c \"SELECT jetbox_emit('order', '42', 'OrderDelivered', '{}')\"", srv.cluster.DSN)
+	say("  nats --server %s sub 'outbox.>'          # live, as jetbox publishes", srv.natsURL)
+	say("  nats --server %s stream view OUTBOX      # everything stored", srv.natsURL)
 	say("  (nats is the NATS CLI: go install github.com/nats-io/natscli/nats@v0.5.0)")
 	printMu.Unlock()
 	if d.Once {
@@ -248,6 +153,148 @@ func (d *demoCmd) run(ctx context.Context, stdout, stderr io.Writer) int {
 		return code
 	}
 	return exitOK
+}
+
+// demoServers are the demo's throwaway Postgres (with its tables) and
+// embedded NATS server, and the address for jetbox's HTTP endpoints.
+type demoServers struct {
+	cluster  *pgcluster.Cluster
+	store    string
+	nats     *server.Server
+	natsURL  string
+	httpAddr string
+	conn     *pgx.Conn
+}
+
+// startDemoServers starts the demo's servers; close removes what started,
+// also after an error.
+func startDemoServers(ctx context.Context, bin string) (*demoServers, error) {
+	s := &demoServers{}
+	var err error
+	if s.cluster, err = pgcluster.New(pgcluster.Options{BinDir: bin}); err != nil {
+		return s, err
+	}
+	if err := s.cluster.Start(ctx); err != nil {
+		return s, err
+	}
+	if s.store, err = os.MkdirTemp("", "jetbox-demo-nats-"); err != nil {
+		return s, err
+	}
+	if s.nats, err = natsembed.Start(natsembed.Options{StoreDir: s.store}); err != nil {
+		return s, err
+	}
+	s.natsURL = s.nats.ClientURL()
+	if s.httpAddr, err = freeAddr(); err != nil {
+		return s, err
+	}
+	if s.conn, err = pgx.Connect(ctx, s.cluster.DSN); err != nil {
+		return s, err
+	}
+	if _, err := s.conn.Exec(ctx, demoSchema); err != nil {
+		return s, fmt.Errorf("create tables: %w", err)
+	}
+	return s, nil
+}
+
+func (s *demoServers) close() {
+	if s.conn != nil {
+		s.conn.Close(context.Background())
+	}
+	if s.nats != nil {
+		natsembed.Stop(s.nats)
+	}
+	if s.store != "" {
+		os.RemoveAll(s.store)
+	}
+	if s.cluster != nil {
+		s.cluster.Remove()
+	}
+}
+
+// demoConfig is the configuration `jetbox run` would have with the demo's
+// flags.
+func demoConfig(srv *demoServers) (Config, error) {
+	var c cli
+	k, err := kong.New(&c, kong.Name("jetbox"), kong.Vars(flagVars))
+	if err == nil {
+		_, err = k.Parse([]string{"run", "--postgres-url=" + srv.cluster.DSN, "--nats-url=" + srv.natsURL,
+			"--http-addr=" + srv.httpAddr, "--duplicate-window=10m", "--log-format=console", "--log-level=warn", "--source=table,messages"})
+	}
+	if err != nil {
+		return Config{}, err
+	}
+	return c.Run.Config()
+}
+
+// consume prints every event of the stream as it arrives (once the
+// forwarder has created the stream), with a signal on received for each;
+// printMu keeps the demo's own lines apart from them.
+func (d *demoCmd) consume(ctx, sctx context.Context, natsURL string, forwarderDone <-chan int, stdout io.Writer) (received chan struct{}, printMu *sync.Mutex, stop func(), code int, err error) {
+	nc, err := nats.Connect(natsURL)
+	if err != nil {
+		return nil, nil, nil, exitFailure, err
+	}
+	js, _ := jetstream.New(nc)
+	var stream jetstream.Stream
+	for stream == nil { // the forwarder creates the stream at start-up
+		if stream, err = js.Stream(sctx, "OUTBOX"); err != nil {
+			select {
+			case code := <-forwarderDone:
+				nc.Close()
+				return nil, nil, nil, code, errors.New("the forwarder stopped at start-up")
+			case <-sctx.Done():
+				nc.Close()
+				return nil, nil, nil, exitFailure, fmt.Errorf("stream OUTBOX not created: %w", err)
+			case <-time.After(50 * time.Millisecond):
+			}
+		}
+	}
+	cons, err := stream.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{})
+	if err != nil {
+		nc.Close()
+		return nil, nil, nil, exitFailure, err
+	}
+	received, printMu = make(chan struct{}, 1024), &sync.Mutex{}
+	cc, err := cons.Consume(func(m jetstream.Msg) {
+		printMu.Lock()
+		defer printMu.Unlock()
+		printEvent(stdout, m)
+		received <- struct{}{}
+	})
+	if err != nil {
+		nc.Close()
+		return nil, nil, nil, exitFailure, err
+	}
+	return received, printMu, func() { cc.Stop(); nc.Close() }, exitOK, nil
+}
+
+// writeOrders writes the sample orders, every --interval: even ones with
+// an outbox row, odd ones with jetbox_emit. done reports that the demo
+// ends, with code.
+func (d *demoCmd) writeOrders(ctx context.Context, conn *pgx.Conn, forwarderDone <-chan int, stderr io.Writer) (code int, done bool) {
+	customers := []string{"ada", "grace", "linus", "barbara", "ken", "margaret"}
+	for i := 0; i < d.Orders; i++ {
+		producer := demoOrder
+		if i%2 == 1 {
+			producer = demoOrderMessage
+		}
+		if _, err := conn.Exec(ctx, producer, customers[i%len(customers)], 10+7*i); err != nil {
+			if ctx.Err() != nil {
+				return exitOK, true
+			}
+			fmt.Fprintln(stderr, "jetbox demo: write order:", err)
+			return exitFailure, true
+		}
+		select {
+		case <-ctx.Done():
+			return exitOK, true
+		case code := <-forwarderDone:
+			fmt.Fprintln(stderr, "jetbox demo: the forwarder stopped")
+			return code, true
+		case <-time.After(d.Interval):
+		}
+	}
+	return exitOK, false
 }
 
 // freeAddr returns a free 127.0.0.1 address for the demo's HTTP endpoints.

@@ -48,32 +48,8 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 		debug.SetGCPercent(200)
 	}
 	log := newLogger(cfg, stdout)
-	start := log.Info().Str("version", version).Str("delivery", cfg.Sink.Delivery.Flag()).Str("slot", cfg.Replication.Slot).Str("stream", cfg.Sink.Stream)
-	if d := cfg.Replication.Decoder; d.Table != "" {
-		start = start.Str("table", d.Schema+"."+d.Table)
-	}
-	if d := cfg.Replication.Decoder; d.MessagePrefix != "" {
-		start = start.Str("message_prefix", d.MessagePrefix)
-	}
-	if t := cfg.Replication.Decoder.Subjects; t != nil {
-		start = start.Str("subject_template", t.String()).Int("partitions", t.Partitions())
-	}
-	start.Msg("starting")
-	cfg.Metrics = metrics.New()
-	cfg.Metrics.SetBuild(buildVersion())
-	var deadLetter []string
-	if cfg.Replication.Decoder.DeadLetterSubject != "" {
-		for _, r := range format.Reasons() {
-			if (&decoder.InvalidEventError{Code: r}).DeadLetterable() {
-				deadLetter = append(deadLetter, r)
-			}
-		}
-	}
-	var ignored []string
-	if cfg.Replication.Decoder.MessagePrefix != "" || cfg.Replication.HeartbeatInterval > 0 {
-		ignored = decoder.IgnoredReasons()
-	}
-	cfg.Metrics.InitLabels(format.Reasons(), deadLetter, ignored)
+	logStart(log, cfg)
+	cfg.Metrics = newRunMetrics(cfg)
 	cfg.Replication.Metrics, cfg.Sink.Metrics = cfg.Metrics, cfg.Metrics
 	ops, err := startOps(cfg.HTTPAddr, cfg.Metrics, log)
 	if err != nil {
@@ -120,15 +96,9 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 	}
 	defer nc.Close()
 
-	if cfg.Replication.Decoder.MaxMessageSize, err = pub.MessageLimit(ctx); err != nil {
-		log.Error().Err(err).Msg("read the stream's limits")
+	if err := limitDecoder(ctx, &cfg, pub, log); err != nil {
 		fmt.Fprintln(stderr, "jetbox:", err)
 		return exitFailure
-	}
-	cfg.Replication.Decoder.MaxSubjectLength = pub.SubjectLimit()
-	cfg.Replication.Decoder.Size = pub.MessageSize
-	if dl := cfg.Replication.Decoder.DeadLetterSubject; dl != "" {
-		log.Info().Str("subject", dl+".<reason>").Msg("rows that cannot be published become dead letters")
 	}
 	streamer, err := replication.New(cfg.PostgresURL, cfg.Replication, sinkAdapter{p: pub, atomic: cfg.Sink.Delivery.Atomic()}, log)
 	if err != nil {
@@ -148,75 +118,8 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 	if !cfg.Sink.Delivery.Guarded() {
 		log.Warn().Msg("--order-guard=false: after a lost publish, later events may be stored before it is republished (out of commit order)")
 	}
-	// A CLOSED connection never comes back (nats.go does not reconnect from
-	// it, whatever MaxReconnects): stop, whether or not a publish is in
-	// flight to fail on it.
-	rctx, stop := context.WithCancelCause(ctx)
-	defer stop(nil)
-	go func() {
-		select {
-		case <-pub.Closed():
-			stop(errNATSClosed)
-		case <-rctx.Done():
-		}
-	}()
-	auditDone := make(chan struct{})
-	go func() {
-		defer close(auditDone)
-		if audits != nil {
-			audits.run(rctx)
-		}
-	}()
-	err = streamer.Run(rctx)
-	stop(nil)
-	<-auditDone
-	if errors.Is(context.Cause(rctx), errNATSClosed) && (err == nil || errors.Is(err, context.Canceled)) {
-		err = pub.ClosedError()
-	}
-	var he *replication.HistoryError
-	if errors.As(err, &he) {
-		log.Error().Err(err).Str("case", he.Case).Str("after_commit_time", he.Tip.CommitTime).Str("after_lsn", he.Tip.CommitLSN.String()).Msg("the server does not continue the stream's history")
-		fmt.Fprintln(stderr, "jetbox:", err)
-		return exitConfig
-	}
-	var se *replication.SettingsError
-	if errors.As(err, &se) {
-		log.Error().Err(err).Str("setting", se.Setting).Uint64("tip_seq", se.Tip.Seq).Str("tip_lsn", se.Tip.CommitLSN.String()).Msg("this run's settings break what the stream's last message was stored under")
-		printProblems(stderr, "configuration", err)
-		return exitConfig
-	}
-	st := pub.Stats()
-	ev := log.Info()
-	next := ""
-	if err != nil {
-		ev = log.Error().Err(err)
-		var ie *decoder.InvalidEventError
-		if errors.As(err, &ie) {
-			if ie.DeadLetterable() {
-				next = "the slot stays before this row, so nothing after it is lost: fix the cause and restart, " + deadLetterNext(cfg, ie.Code, "restart")
-			}
-			ev = ev.Str("event_id", ie.ID).Str("lsn", ie.LSN.String()).Str("reason", ie.Code).Str("hint", ie.Hint).Str("next", next)
-			cfg.Metrics.InvalidRows.WithLabelValues(ie.Code, "stop").Inc()
-		}
-	}
-	ev.Str("confirmed_lsn", streamer.ConfirmedLSN().String()).Uint64("published", st.Published).
-		Uint64("duplicates", st.Duplicates).Uint64("publish_errors", st.Errors).Msg("stopped")
-	if err != nil {
-		fmt.Fprintln(stderr, "jetbox:", err)
-		if next != "" {
-			fmt.Fprintln(stderr, "jetbox:", next)
-		}
-		var ie *decoder.InvalidEventError
-		if errors.As(err, &ie) && ops != nil && cfg.FinalScrapeWait > 0 {
-			// A restart stops on the same row: nothing is lost by staying
-			// until Prometheus has the count (JetboxInvalidRows).
-			log.Info().Stringer("final_scrape_wait", cfg.FinalScrapeWait).Msg("waiting for a scrape of /metrics before exiting")
-			scraped := ops.awaitScrape(ctx, cfg.FinalScrapeWait)
-			log.Info().Bool("scraped", scraped).Msg("exiting")
-		}
-		return exitFailure
-	}
-	return exitOK
+	err = streamAndAudit(ctx, streamer, pub, audits)
+	return runExit(ctx, err, cfg, pub, streamer, ops, log, stderr)
 }
 
 // errNATSClosed stops the streamer when the NATS connection is CLOSED.
@@ -431,4 +334,137 @@ func deadLetterNext(cfg Config, code, verb string) string {
 		return fmt.Sprintf("or fix what refused its dead letter on %s.%s (jetbox runs with --on-invalid=dead-letter: see the error) and %s", dl, code, verb)
 	}
 	return fmt.Sprintf("or %s with --on-invalid=dead-letter to publish it to %s.%s (or to --dead-letter-subject.%s) and go on", verb, format.DefaultDeadLetterSubject(cfg.Sink.SubjectPrefix), code, code)
+}
+
+// logStart logs what this run forwards, and how.
+func logStart(log zerolog.Logger, cfg Config) {
+	start := log.Info().Str("version", version).Str("delivery", cfg.Sink.Delivery.Flag()).Str("slot", cfg.Replication.Slot).Str("stream", cfg.Sink.Stream)
+	if d := cfg.Replication.Decoder; d.Table != "" {
+		start = start.Str("table", d.Schema+"."+d.Table)
+	}
+	if d := cfg.Replication.Decoder; d.MessagePrefix != "" {
+		start = start.Str("message_prefix", d.MessagePrefix)
+	}
+	if t := cfg.Replication.Decoder.Subjects; t != nil {
+		start = start.Str("subject_template", t.String()).Int("partitions", t.Partitions())
+	}
+	start.Msg("starting")
+}
+
+// newRunMetrics returns the metrics of a run, every label set it can
+// report initialised at 0 (alerts see a series before its first increment).
+func newRunMetrics(cfg Config) *metrics.Metrics {
+	m := metrics.New()
+	m.SetBuild(buildVersion())
+	var deadLetter []string
+	if cfg.Replication.Decoder.DeadLetterSubject != "" {
+		for _, r := range format.Reasons() {
+			if (&decoder.InvalidEventError{Code: r}).DeadLetterable() {
+				deadLetter = append(deadLetter, r)
+			}
+		}
+	}
+	var ignored []string
+	if cfg.Replication.Decoder.MessagePrefix != "" || cfg.Replication.HeartbeatInterval > 0 {
+		ignored = decoder.IgnoredReasons()
+	}
+	m.InitLabels(format.Reasons(), deadLetter, ignored)
+	return m
+}
+
+// limitDecoder gives the decoder the server's and the stream's limits, so a
+// row over them is invalid before it is published.
+func limitDecoder(ctx context.Context, cfg *Config, pub *sink.Publisher, log zerolog.Logger) error {
+	limit, err := pub.MessageLimit(ctx)
+	if err != nil {
+		log.Error().Err(err).Msg("read the stream's limits")
+		return err
+	}
+	cfg.Replication.Decoder.MaxMessageSize = limit
+	cfg.Replication.Decoder.MaxSubjectLength = pub.SubjectLimit()
+	cfg.Replication.Decoder.Size = pub.MessageSize
+	if dl := cfg.Replication.Decoder.DeadLetterSubject; dl != "" {
+		log.Info().Str("subject", dl+".<reason>").Msg("rows that cannot be published become dead letters")
+	}
+	return nil
+}
+
+// streamAndAudit streams until ctx ends or the streamer stops, with the
+// continuous audit (audits, nil: none) beside it. A CLOSED NATS connection
+// never comes back (nats.go does not reconnect from it, whatever
+// MaxReconnects): it stops the streamer, whether or not a publish is in
+// flight to fail on it, with the connection's error.
+func streamAndAudit(ctx context.Context, streamer *replication.Streamer, pub *sink.Publisher, audits *auditLoop) error {
+	rctx, stop := context.WithCancelCause(ctx)
+	defer stop(nil)
+	go func() {
+		select {
+		case <-pub.Closed():
+			stop(errNATSClosed)
+		case <-rctx.Done():
+		}
+	}()
+	auditDone := make(chan struct{})
+	go func() {
+		defer close(auditDone)
+		if audits != nil {
+			audits.run(rctx)
+		}
+	}()
+	err := streamer.Run(rctx)
+	stop(nil)
+	<-auditDone
+	if errors.Is(context.Cause(rctx), errNATSClosed) && (err == nil || errors.Is(err, context.Canceled)) {
+		err = pub.ClosedError()
+	}
+	return err
+}
+
+// runExit logs how the run ended and returns its exit code: 2 for a
+// history or settings problem, 1 for any other error, 0 for a stop.
+func runExit(ctx context.Context, err error, cfg Config, pub *sink.Publisher, streamer *replication.Streamer, ops *opsServer, log zerolog.Logger, stderr io.Writer) int {
+	var he *replication.HistoryError
+	if errors.As(err, &he) {
+		log.Error().Err(err).Str("case", he.Case).Str("after_commit_time", he.Tip.CommitTime).Str("after_lsn", he.Tip.CommitLSN.String()).Msg("the server does not continue the stream's history")
+		fmt.Fprintln(stderr, "jetbox:", err)
+		return exitConfig
+	}
+	var se *replication.SettingsError
+	if errors.As(err, &se) {
+		log.Error().Err(err).Str("setting", se.Setting).Uint64("tip_seq", se.Tip.Seq).Str("tip_lsn", se.Tip.CommitLSN.String()).Msg("this run's settings break what the stream's last message was stored under")
+		printProblems(stderr, "configuration", err)
+		return exitConfig
+	}
+	st := pub.Stats()
+	ev := log.Info()
+	next := ""
+	if err != nil {
+		ev = log.Error().Err(err)
+		var ie *decoder.InvalidEventError
+		if errors.As(err, &ie) {
+			if ie.DeadLetterable() {
+				next = "the slot stays before this row, so nothing after it is lost: fix the cause and restart, " + deadLetterNext(cfg, ie.Code, "restart")
+			}
+			ev = ev.Str("event_id", ie.ID).Str("lsn", ie.LSN.String()).Str("reason", ie.Code).Str("hint", ie.Hint).Str("next", next)
+			cfg.Metrics.InvalidRows.WithLabelValues(ie.Code, "stop").Inc()
+		}
+	}
+	ev.Str("confirmed_lsn", streamer.ConfirmedLSN().String()).Uint64("published", st.Published).
+		Uint64("duplicates", st.Duplicates).Uint64("publish_errors", st.Errors).Msg("stopped")
+	if err != nil {
+		fmt.Fprintln(stderr, "jetbox:", err)
+		if next != "" {
+			fmt.Fprintln(stderr, "jetbox:", next)
+		}
+		var ie *decoder.InvalidEventError
+		if errors.As(err, &ie) && ops != nil && cfg.FinalScrapeWait > 0 {
+			// A restart stops on the same row: nothing is lost by staying
+			// until Prometheus has the count (JetboxInvalidRows).
+			log.Info().Stringer("final_scrape_wait", cfg.FinalScrapeWait).Msg("waiting for a scrape of /metrics before exiting")
+			scraped := ops.awaitScrape(ctx, cfg.FinalScrapeWait)
+			log.Info().Bool("scraped", scraped).Msg("exiting")
+		}
+		return exitFailure
+	}
+	return exitOK
 }
