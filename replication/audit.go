@@ -22,6 +22,9 @@ type AuditTable struct {
 	CommitTimestamps bool
 	// Order describes the row order, e.g. "created_at, then id".
 	Order string
+	// Database is the database's name (current_database()): with the slot,
+	// the Jetbox-Source writer whose messages carry this table's rows.
+	Database string
 
 	key, createdAt, id, table string
 	uuid                      bool
@@ -62,7 +65,12 @@ func OpenAuditTable(ctx context.Context, connString string, cfg Config, createdA
 		conn.Close(ctx)
 		return nil, err
 	}
-	t := &AuditTable{conn: conn, CommitTimestamps: r.CommitTimestamps, Order: r.Order, key: r.key, createdAt: r.createdAt,
+	var db string
+	if err := conn.QueryRow(ctx, `SELECT current_database()`).Scan(&db); err != nil {
+		conn.Close(ctx)
+		return nil, fmt.Errorf("read the database name: %w", err)
+	}
+	t := &AuditTable{conn: conn, CommitTimestamps: r.CommitTimestamps, Order: r.Order, Database: db, key: r.key, createdAt: r.createdAt,
 		id: pgx.Identifier{cfg.Decoder.Columns.ID}.Sanitize(), table: cfg.quotedTable(), margin: margin}
 	for _, c := range r.cols {
 		if c.Name == cfg.Decoder.Columns.ID {
@@ -92,6 +100,37 @@ func (t *AuditTable) Oldest(ctx context.Context) (time.Time, bool, error) {
 		return time.Time{}, false, nil
 	}
 	return key.UTC(), true, nil
+}
+
+// Filtered reports whether Page bounds its scan by the created-at column
+// (commit timestamps on and a created-at column): a row inserted more than
+// one margin before its commit is then not read, and Count tells.
+func (t *AuditTable) Filtered() bool { return t.CommitTimestamps && t.createdAt != "" }
+
+// Count returns how many rows have since <= key <= until, read without the
+// created-at bound of Page (one scan of the table).
+func (t *AuditTable) Count(ctx context.Context, since, until time.Time) (int64, error) {
+	var n int64
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if err := t.conn.QueryRow(ctx, "SELECT count(*) FROM "+t.table+" WHERE "+t.key+" >= $1 AND "+t.key+" <= $2", since, until).Scan(&n); err != nil {
+		return 0, fmt.Errorf("count the outbox rows of the range: %w", err)
+	}
+	return n, nil
+}
+
+// NullKeys returns how many rows have no order key (no commit timestamp,
+// frozen or from before track_commit_timestamp, and no created-at value):
+// they belong to no range, so no audit can tell whether they reached the
+// stream.
+func (t *AuditTable) NullKeys(ctx context.Context) (int64, error) {
+	var n int64
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if err := t.conn.QueryRow(ctx, "SELECT count(*) FROM "+t.table+" WHERE "+t.key+" IS NULL").Scan(&n); err != nil {
+		return 0, fmt.Errorf("count the outbox rows without an order key: %w", err)
+	}
+	return n, nil
 }
 
 // Page returns up to n rows with since <= key <= until after (afterKey,

@@ -14,6 +14,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/jetbox-dev/jetbox/internal/audit"
 	"github.com/jetbox-dev/jetbox/internal/natsembed"
 	"github.com/jetbox-dev/jetbox/replication"
@@ -147,6 +148,8 @@ type auditor struct {
 	stdout, stderr io.Writer
 	rows, msgs     atomic.Int64
 	started        time.Time
+	db             string    // the table's database: with the slot, this writer (Jetbox-Source)
+	requested      time.Time // the --until asked for, when the audit ends earlier (clampUntil)
 }
 
 // streamRange is what the stream holds at the audit's start.
@@ -154,6 +157,7 @@ type streamRange struct {
 	first, last uint64
 	firstTime   time.Time
 	msgs        uint64
+	deleted     uint64 // messages deleted inside the stream (interior gaps)
 	cfg         jetstream.StreamConfig
 }
 
@@ -210,8 +214,17 @@ func (a *auditor) run(ctx context.Context) (int, error) {
 		return exitConfig, &undecided{fmt.Sprintf("the range is empty: the oldest row's key %s is after --until %s", since.Format(time.RFC3339Nano), a.s.until.Format(time.RFC3339Nano)),
 			"give an --until after the rows' times, or wait out --grace"}
 	}
-	if err := judgeable(sr, since, a.s.margin); err != nil {
-		return exitConfig, err
+	if err := a.prepare(ctx, st, sr, tbl, since); err != nil {
+		var u *undecided
+		if errors.As(err, &u) {
+			return exitConfig, err
+		}
+		return exitFailure, err
+	}
+	if a.s.until.Before(since) {
+		return exitConfig, &undecided{fmt.Sprintf("the range is empty: jetbox has published rows up to %s only (the commit time of its last message in the stream%s), before the range's start %s",
+			a.s.until.Format(time.RFC3339Nano), marginNote(tbl), since.Format(time.RFC3339Nano)),
+			"audit once jetbox run has published the range (check it runs: jetbox status)"}
 	}
 
 	a.started = time.Now()
@@ -219,9 +232,84 @@ func (a *auditor) run(ctx context.Context) (int, error) {
 	rep, err := a.compare(ctx, st, sr, tbl, since)
 	stop()
 	if err != nil {
+		var u *undecided
+		if errors.As(err, &u) {
+			return exitConfig, err
+		}
 		return exitFailure, err
 	}
 	return a.report(rep, since, tbl.Order, sr)
+}
+
+func marginNote(tbl *replication.AuditTable) string {
+	if tbl.CommitTimestamps {
+		return ""
+	}
+	return " minus --margin, as a created_at key precedes the commit by up to the longest transaction"
+}
+
+// prepare checks what the audit can judge before it reads: the stream
+// holds the range's start and keeps every message (judgeable), every row
+// has an order key, and the range ends where jetbox has provably
+// published (clampUntil).
+func (a *auditor) prepare(ctx context.Context, st jetstream.Stream, sr streamRange, tbl *replication.AuditTable, since time.Time) error {
+	a.db = tbl.Database
+	if err := judgeable(sr, since, a.s.margin); err != nil {
+		return err
+	}
+	n, err := tbl.NullKeys(ctx)
+	if err != nil {
+		return err
+	}
+	if n > 0 {
+		return &undecided{fmt.Sprintf("%d rows of the table have no order key (%s: no commit timestamp, as they are frozen or older than track_commit_timestamp, and no created_at value), so they belong to no range and no audit can tell whether they reached the stream", n, tbl.Order),
+			"give the table a created_at column (--created-at-column) so that every row has a key, or delete those rows once you know they were published"}
+	}
+	return a.clampUntil(ctx, st, sr, tbl)
+}
+
+// clampUntil ends the range where jetbox has provably published: at the
+// commit time of this writer's last message at the audit's start (minus
+// the margin with a created_at key). A row keyed later may be committed or
+// published after the stream's last message, which the audit does not
+// read: it would count as missing.
+func (a *auditor) clampUntil(ctx context.Context, st jetstream.Stream, sr streamRange, tbl *replication.AuditTable) error {
+	last, ok, err := a.published(ctx, st, sr)
+	if err != nil || !ok {
+		return err // no message of this writer: its rows are missing
+	}
+	if !tbl.CommitTimestamps {
+		last = last.Add(-a.s.margin)
+	}
+	if last.Before(a.s.until) {
+		a.requested, a.s.until = a.s.until, last
+	}
+	return nil
+}
+
+// published returns the commit time of this writer's last message (not a
+// repair's) at the audit's start, looking back over at most 1000 others.
+func (a *auditor) published(ctx context.Context, st jetstream.Stream, sr streamRange) (time.Time, bool, error) {
+	for seq, n := sr.last, 0; seq >= sr.first && seq > 0 && n < 1000; seq, n = seq-1, n+1 {
+		m, err := st.GetMsg(ctx, seq)
+		if errors.Is(err, jetstream.ErrMsgNotFound) {
+			continue
+		}
+		if err != nil {
+			return time.Time{}, false, fmt.Errorf("read stream %q at seq %d: %w", a.s.cfg.Sink.Stream, seq, err)
+		}
+		msg, o, ok := auditMsg(m.Header, seq, m.Time)
+		if a.ours(o, ok) && !msg.Repaired {
+			return msg.Time, true, nil
+		}
+	}
+	return time.Time{}, false, nil
+}
+
+// ours reports whether a message's origin is this writer: the table's
+// database and the slot, on any system and timeline (a failover, a restore).
+func (a *auditor) ours(o format.Origin, ok bool) bool {
+	return ok && o.Database == a.db && o.Slot == a.s.cfg.Replication.Slot
 }
 
 // openStream looks up the stream and what it holds now; a stream that
@@ -237,24 +325,66 @@ func openStream(ctx context.Context, js jetstream.JetStream, name string) (jetst
 		return nil, streamRange{}, fmt.Errorf("look up stream %q: %w", name, err)
 	}
 	info := st.CachedInfo()
-	return st, streamRange{first: info.State.FirstSeq, last: info.State.LastSeq, firstTime: info.State.FirstTime, msgs: info.State.Msgs, cfg: info.Config}, nil
+	return st, streamRange{first: info.State.FirstSeq, last: info.State.LastSeq, firstTime: info.State.FirstTime, msgs: info.State.Msgs,
+		deleted: uint64(info.State.NumDeleted), cfg: info.Config}, nil
 }
 
 // compare audits the rows from since to the settings' until against the
 // stream, in one pass over each.
 func (a *auditor) compare(ctx context.Context, st jetstream.Stream, sr streamRange, tbl *replication.AuditTable, since time.Time) (audit.Report, error) {
-	acfg := audit.Config{Since: since, Until: a.s.until, Margin: a.s.margin, ExactlyOnce: a.s.cfg.Sink.Delivery.ExactlyOnce(), First: 10}
+	acfg := audit.Config{Since: since, Until: a.s.until, Margin: a.s.margin, ExactlyOnce: a.s.cfg.Sink.Delivery.ExactlyOnce(), First: 10, Escape: decoder.RowIDHeader}
 	aud := audit.New(acfg, a.rowFunc(tbl, since), tbl.Lookup)
 	if err := a.readStream(ctx, st, sr, since, aud); err != nil {
 		return audit.Report{}, err
 	}
-	return aud.Finish(ctx)
+	rep, err := aud.Finish(ctx)
+	if err != nil {
+		return rep, err
+	}
+	if tbl.Filtered() {
+		// Page reads only the rows inserted at most one margin before
+		// their commit: count them all.
+		n, err := tbl.Count(ctx, since, a.s.until)
+		if err != nil {
+			return rep, err
+		}
+		if n != rep.Rows {
+			return rep, &undecided{fmt.Sprintf("the range holds %d rows but the audit read %d: rows whose created_at precedes their commit by more than --margin %s (backfilled or imported rows, an application clock, a longer transaction) are not read, or rows were deleted meanwhile",
+				n, rep.Rows, a.s.margin), "audit again with a --margin longer than the gap between those rows' created_at and their commit"}
+		}
+	}
+	return rep, removedDuring(ctx, st, sr, since, a.s.margin)
+}
+
+// removedDuring refuses an audit during which the stream removed messages
+// of the range (max_age expiring them near its start, a purge): a row
+// whose message went before the audit read it counts as missing.
+func removedDuring(ctx context.Context, st jetstream.Stream, sr streamRange, since time.Time, margin time.Duration) error {
+	info, err := st.Info(ctx)
+	if err != nil {
+		return fmt.Errorf("look up the stream after the audit: %w", err)
+	}
+	return removed(sr, info.State, since, margin)
+}
+
+// removed is removedDuring on the stream's state at the end.
+func removed(sr streamRange, end jetstream.StreamState, since time.Time, margin time.Duration) error {
+	if end.FirstSeq <= sr.first || (end.Msgs > 0 && !end.FirstTime.After(since.Add(-margin))) {
+		return nil // nothing removed, or only messages before the range
+	}
+	return &undecided{fmt.Sprintf("the stream removed its messages up to seq %d while the audit ran (it started at seq %d; max_age, max_msgs or a purge), and some were of the range from %s: their rows would count as missing",
+		end.FirstSeq-1, sr.first, since.Add(-margin).Format(time.RFC3339Nano)),
+		"audit a range that starts well after the stream's first message (the limit removes the oldest), or raise the stream's max_age"}
 }
 
 // judgeable refuses a range whose start the stream no longer holds: its
 // first messages were removed (limits, a purge) after the range's start,
 // so rows of the range may have had messages that are gone.
 func judgeable(sr streamRange, since time.Time, margin time.Duration) error {
+	if sr.cfg.Retention != jetstream.LimitsPolicy {
+		return &undecided{fmt.Sprintf("the stream has %s retention: it removes messages once consumed, so it is no record of what was published and the rows of removed messages would count as missing", sr.cfg.Retention),
+			"audit a stream with limits retention (jetbox run creates it so); with interest or work-queue retention count the consumers' acknowledgements instead"}
+	}
 	if sr.first <= 1 {
 		return nil // nothing removed from the stream's start
 	}
@@ -274,9 +404,6 @@ func judgeable(sr streamRange, since time.Time, margin time.Duration) error {
 	}
 	if sr.cfg.MaxMsgsPerSubject > 0 {
 		limits = append(limits, fmt.Sprintf("max_msgs_per_subject %d", sr.cfg.MaxMsgsPerSubject))
-	}
-	if sr.cfg.Retention != jetstream.LimitsPolicy {
-		limits = append(limits, "retention "+sr.cfg.Retention.String())
 	}
 	why := "the stream has no limit, so a purge or a delete removed them"
 	if len(limits) > 0 {
@@ -367,6 +494,7 @@ func (a *auditor) readStream(ctx context.Context, st jetstream.Stream, sr stream
 	}
 	defer it.Stop()
 	end := a.s.until.Add(a.s.margin)
+	passed := false // the stream passed the range: reading on for late copies
 	for {
 		m, err := it.Next(jetstream.NextContext(ctx))
 		if err != nil {
@@ -376,10 +504,19 @@ func (a *auditor) readStream(ctx context.Context, st jetstream.Stream, sr stream
 		if err != nil {
 			return fmt.Errorf("read stream %q: %w", a.s.cfg.Sink.Stream, err)
 		}
-		msg := auditMsg(m.Headers(), md.Sequence.Stream, md.Timestamp)
+		msg, o, ok := auditMsg(m.Headers(), md.Sequence.Stream, md.Timestamp)
 		a.msgs.Add(1)
-		if msg.Time.After(end) {
-			return nil
+		if !passed && msg.Time.After(end) && !msg.Repaired && a.ours(o, ok) {
+			// This writer publishes in commit order: none of its later
+			// messages is of the range. Rows still unmatched may have
+			// been stored later (jetbox repair, another publisher).
+			if err := aud.EndRows(ctx); err != nil {
+				return err
+			}
+			if aud.Missing() == 0 {
+				return nil
+			}
+			passed = true
 		}
 		if err := aud.Msg(ctx, msg); err != nil {
 			return err
@@ -390,23 +527,25 @@ func (a *auditor) readStream(ctx context.Context, st jetstream.Stream, sr stream
 	}
 }
 
-// auditMsg maps a message's headers to what the audit compares.
-func auditMsg(h nats.Header, seq uint64, stored time.Time) audit.Msg {
+// auditMsg maps a message's headers to what the audit compares, and its
+// origin (ok false for a message jetbox did not write).
+func auditMsg(h nats.Header, seq uint64, stored time.Time) (m audit.Msg, o format.Origin, ok bool) {
 	get := h.Get
-	m := audit.Msg{Seq: seq, ID: get(jetstream.MsgIDHeader), RowID: get(format.HeaderRowID), Stored: stored.UTC(), Time: stored.UTC()}
+	m = audit.Msg{Seq: seq, ID: get(jetstream.MsgIDHeader), RowID: get(format.HeaderRowID), Stored: stored.UTC(), Time: stored.UTC(),
+		Repaired: get(format.HeaderRepaired) == "true"}
 	if t, err := time.Parse(time.RFC3339Nano, get(format.HeaderCommitTime)); err == nil && t.Year() > 1 {
 		m.Time = t.UTC()
 	}
-	lsn, ok := format.ParseLSN(get(format.HeaderCommitLSN))
+	lsn, lsnOK := format.ParseLSN(get(format.HeaderCommitLSN))
 	idx, err2 := strconv.Atoi(get(format.HeaderTxIndex))
-	if src := get(format.HeaderSource); src != "" && ok && err2 == nil {
+	if src := get(format.HeaderSource); src != "" && lsnOK && err2 == nil {
+		// Positions compare within one history: the origin with its
+		// timeline (a failover or a restore starts another).
 		m.Writer = src
-		if o, parsed := format.ParseOrigin(src); parsed {
-			m.Writer = o.Writer()
-		}
 		m.LSN, m.Index = uint64(lsn), idx
+		o, ok = format.ParseOrigin(src)
 	}
-	return m
+	return m, o, ok
 }
 
 // startProgress prints the rows and messages read on stderr every
@@ -437,8 +576,15 @@ type auditJSON struct {
 	Result string    `json:"result"` // complete or defects
 	Since  time.Time `json:"since"`
 	Until  time.Time `json:"until"`
-	Order  string    `json:"order"`
-	Stream string    `json:"stream"`
+	// RequestedUntil is the --until asked for when the range ends earlier,
+	// where jetbox has provably published.
+	RequestedUntil *time.Time `json:"requested_until,omitempty"`
+	// DeletedInStream is how many messages were deleted inside the stream
+	// (not from its start): a row whose message was deleted counts as
+	// missing.
+	DeletedInStream uint64 `json:"deleted_in_stream,omitempty"`
+	Order           string `json:"order"`
+	Stream          string `json:"stream"`
 	audit.Report
 }
 
@@ -452,11 +598,18 @@ func (a *auditor) report(rep audit.Report, since time.Time, order string, sr str
 	if a.s.json {
 		enc := json.NewEncoder(a.stdout)
 		enc.SetIndent("", "  ")
-		return code, enc.Encode(auditJSON{Result: result, Since: since, Until: a.s.until, Order: order, Stream: a.s.cfg.Sink.Stream, Report: rep})
+		j := auditJSON{Result: result, Since: since, Until: a.s.until, Order: order, Stream: a.s.cfg.Sink.Stream, DeletedInStream: sr.deleted, Report: rep}
+		if !a.requested.IsZero() {
+			j.RequestedUntil = &a.requested
+		}
+		return code, enc.Encode(j)
 	}
 	w := a.stdout
 	el := time.Since(a.started)
 	fmt.Fprintf(w, "range:          %s to %s (order: %s)\n", since.Format(time.RFC3339Nano), a.s.until.Format(time.RFC3339Nano), order)
+	if !a.requested.IsZero() {
+		fmt.Fprintf(w, "note:           the range ends before --until %s, where jetbox has provably published (its last message's commit time at the start)\n", a.requested.Format(time.RFC3339Nano))
+	}
 	fmt.Fprintf(w, "rows:           %d\n", rep.Rows)
 	fmt.Fprintf(w, "messages:       %d in the range (stream %s, seq %d to %d)\n", rep.Messages, a.s.cfg.Sink.Stream, sr.first, sr.last)
 	kind := func(name string, k audit.Kind, defect bool) {
@@ -481,6 +634,9 @@ func (a *auditor) report(rep audit.Report, since time.Time, order string, sr str
 	kind("duplicated", rep.Duplicated, true)
 	kind("out of order", rep.OutOfOrder, true)
 	kind("not in table", rep.NotInTable, a.s.strict)
+	if sr.deleted > 0 {
+		fmt.Fprintf(w, "note:           %d messages were deleted inside the stream (a delete by hand or by a tool): the rows they carried count as missing\n", sr.deleted)
+	}
 	if rep.Truncated {
 		fmt.Fprintln(w, "note:           more rows were missing at once than the audit holds: some counted missing may be in the stream later")
 	}

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -83,7 +84,13 @@ func exampleIDs(k audit.Kind) []string {
 // created_at, and by their commit timestamp.
 func TestAudit(t *testing.T) {
 	testenv.SkipIfShort(t)
-	t.Run("created_at", func(t *testing.T) { testAudit(t, newFixture(t), "created_at, then id") })
+	t.Run("created_at", func(t *testing.T) {
+		// The range ends at the last message's commit time minus the
+		// margin: 0s, as the test's transactions are instant.
+		f := newFixture(t)
+		f.env = append(f.env, "JETBOX_AUDIT_MARGIN=0s")
+		testAudit(t, f, "created_at, then id")
+	})
 	t.Run("commit-timestamps", func(t *testing.T) {
 		testAudit(t, newFixture(t, withPG(testenv.WithSetting("track_commit_timestamp", "on"))), "commit timestamp (else created_at), then id")
 	})
@@ -220,9 +227,195 @@ func TestAuditRate(t *testing.T) {
 	if code := p.stop(); code != 0 {
 		t.Fatalf("jetbox run exited with %d", code)
 	}
-	r := f.audit()
+	// Margin 0s: the range ends at the last message's commit time minus
+	// the margin, and the test's transactions are instant.
+	r := f.audit("JETBOX_AUDIT_MARGIN=0s")
 	if r.code != 0 || !strings.Contains(r.stdout, fmt.Sprintf("rows:           %d\n", n)) {
 		t.Fatalf("jetbox audit exited with %d, want 0 with %d rows:\n%s\n%s", r.code, n, r.stdout, r.stderr)
 	}
 	t.Logf("audit of %d rows: %s, %.0f rows/s, peak RSS %.1f MiB", n, r.elapsed.Round(time.Millisecond), float64(n)/r.elapsed.Seconds(), float64(r.maxRSS)/(1<<20))
+}
+
+// seqOf returns the stream sequence of the message with id.
+func seqOf(t *testing.T, f *fixture, id string) uint64 {
+	t.Helper()
+	for _, m := range testenv.ReadStream(t, f.js, "OUTBOX", true) {
+		if m.ID == id {
+			return m.Seq
+		}
+	}
+	t.Fatalf("no message %s in the stream", id)
+	return 0
+}
+
+// TestAuditRange: where the range's stream ends and what the table holds
+// beyond what the stream proves. Rows keyed by their commit timestamp.
+//   - A row re-published by jetbox repair, stored after later rows'
+//     messages, is found when a past --until is audited again (the stream
+//     is read past the range while rows are missing); the deleted message
+//     is noted.
+//   - Rows committed while jetbox run is stopped are not reported missing:
+//     the range ends at the commit time of jetbox's last message
+//     (requested_until says what was asked).
+//   - A row whose created_at precedes its commit by more than the margin
+//     (backfilled) and whose message is gone is not "complete": undecided.
+//   - A stream with interest retention cannot be judged.
+func TestAuditRange(t *testing.T) {
+	testenv.SkipIfShort(t)
+	f := newFixture(t, withPG(testenv.WithSetting("track_commit_timestamp", "on")))
+	// A duplicate window of 1s: the deleted message's id has left it when
+	// jetbox repair publishes the row again.
+	f.env = append(f.env, "JETBOX_AUDIT_MARGIN=1s", "JETBOX_DUPLICATE_WINDOW=1s")
+	conn := f.conn()
+	ctx := ctxT(t, 5*time.Minute)
+	p := f.start()
+	f.waitStreaming(p)
+	a := f.insertTx(conn, "a", 10)
+	f.waitCount(10, time.Minute)
+	var aCommit time.Time
+	must(t, conn.QueryRow(ctx, `SELECT max(pg_xact_commit_timestamp(xmin)) FROM outbox`).Scan(&aCommit))
+	// The next rows commit more than the margin later: their messages
+	// are past the range that ends at a's commit.
+	testenv.WaitFor(t, 10*time.Second, func() error {
+		if d := time.Since(aCommit); d < 1500*time.Millisecond {
+			return fmt.Errorf("%s since a's commit", d)
+		}
+		return nil
+	})
+	f.insertTx(conn, "b", 10)
+	f.waitCount(20, time.Minute)
+	if code := p.stop(); code != 0 {
+		t.Fatalf("jetbox run exited with %d", code)
+	}
+	st, err := f.js.Stream(ctx, "OUTBOX")
+	must(t, err)
+	until := "JETBOX_AUDIT_UNTIL=" + aCommit.UTC().Format(time.RFC3339Nano)
+
+	t.Run("repaired", func(t *testing.T) {
+		must(t, st.DeleteMsg(ctx, seqOf(t, f, a[3])))
+		rep := f.auditJSON(t, 1, until)
+		if rep.Missing.Count != 1 || !slices.Equal(exampleIDs(rep.Missing), []string{a[3]}) || rep.Rows != 10 || rep.DeletedInStream != 1 {
+			t.Fatalf("report %+v, want %s missing of 10 rows, 1 message deleted in the stream", rep, a[3])
+		}
+		f.pg.Exec(t, `SELECT pg_drop_replication_slot('jetbox')`) // repair creates it again
+		f.repair("JETBOX_REPAIR_SINCE=" + rep.Missing.First[0].Time.Add(-time.Millisecond).UTC().Format(time.RFC3339Nano))
+		if rep := f.auditJSON(t, 0, until); rep.Result != "complete" || rep.Rows != 10 || rep.Missing.Count != 0 || rep.Duplicated.Count+rep.OutOfOrder.Count != 0 {
+			t.Fatalf("after the repair: report %+v, want 10 rows complete", rep)
+		}
+	})
+
+	t.Run("unpublished", func(t *testing.T) {
+		f.insertTx(conn, "c", 3) // jetbox run is stopped
+		rep := f.auditJSON(t, 0)
+		if rep.Result != "complete" || rep.Rows != 20 || rep.Missing.Count != 0 || rep.RequestedUntil == nil || rep.Until.After(*rep.RequestedUntil) {
+			t.Fatalf("report %+v, want 20 rows complete, the range ending before the requested until", rep)
+		}
+		r := f.audit()
+		if r.code != 0 || !strings.Contains(r.stdout, "where jetbox has provably published") {
+			t.Fatalf("jetbox audit exited with %d, want 0 and the note on the range's end:\n%s\n%s", r.code, r.stdout, r.stderr)
+		}
+	})
+
+	t.Run("backfilled", func(t *testing.T) {
+		p := f.start()
+		f.waitStreaming(p)
+		old := f.insertAt(conn, "Backfilled", "2000-01-01T00:00:00Z")
+		f.insertTx(conn, "d", 1) // the range ends at its commit
+		f.waitCount(25, time.Minute)
+		if code := p.stop(); code != 0 {
+			t.Fatalf("jetbox run exited with %d", code)
+		}
+		must(t, st.DeleteMsg(ctx, seqOf(t, f, old[0])))
+		r := f.audit()
+		if r.code != 2 || !strings.Contains(r.stderr, "cannot judge the range") || !strings.Contains(r.stderr, "--margin") {
+			t.Fatalf("jetbox audit exited with %d, want 2 (undecided) naming the margin:\n%s\n%s", r.code, r.stdout, r.stderr)
+		}
+	})
+
+	t.Run("interest retention", func(t *testing.T) {
+		info, err := st.Info(ctx)
+		must(t, err)
+		cfg := info.Config
+		cfg.Retention = jetstream.InterestPolicy
+		_, err = f.js.UpdateStream(ctx, cfg)
+		must(t, err)
+		r := f.audit(until)
+		if r.code != 2 || !strings.Contains(r.stderr, "Interest retention") && !strings.Contains(r.stderr, "interest retention") {
+			t.Fatalf("jetbox audit exited with %d, want 2 naming the retention:\n%s\n%s", r.code, r.stdout, r.stderr)
+		}
+	})
+}
+
+// TestAuditRowIDs: a row whose id jetbox escapes in its dead letter
+// ("Nats-" in it) is dead-lettered, not missing; a row without an order
+// key (a NULL created_at) makes the audit undecided rather than complete.
+func TestAuditRowIDs(t *testing.T) {
+	testenv.SkipIfShort(t)
+	f := newFixture(t, withDDL(`CREATE TABLE public.outbox (id text PRIMARY KEY, aggregate_type text, aggregate_id text, event_type text,
+		payload jsonb, headers jsonb, created_at timestamptz DEFAULT now())`))
+	f.env = append(f.env, "JETBOX_AUDIT_MARGIN=0s", "JETBOX_ON_INVALID=dead-letter")
+	conn := f.conn()
+	p := f.start()
+	f.waitStreaming(p)
+	f.pg.Exec(t, `INSERT INTO outbox (id, aggregate_type, aggregate_id, event_type, payload) VALUES
+		('good-1', 'order', '1', 'E', '{}'), ('r-Nats-Expected-Last-Sequence', 'order', '1', 'E', '{}'), ('good-2', 'order', '1', 'E', '{}')`)
+	f.waitCount(3, time.Minute)
+	if code := p.stop(); code != 0 {
+		t.Fatalf("jetbox run exited with %d", code)
+	}
+	t.Run("escaped id", func(t *testing.T) {
+		rep := f.auditJSON(t, 0)
+		if rep.Rows != 3 || rep.Missing.Count+rep.NotInTable.Count != 0 || !slices.Equal(exampleIDs(rep.DeadLettered), []string{"r-Nats-Expected-Last-Sequence"}) {
+			t.Fatalf("report %+v, want 3 rows, the bad id dead-lettered, nothing missing or not in the table", rep)
+		}
+	})
+	t.Run("null key", func(t *testing.T) {
+		_, err := conn.Exec(ctxT(t, 10*time.Second), `UPDATE outbox SET created_at = NULL WHERE id = 'good-2'`)
+		must(t, err)
+		r := f.audit()
+		if r.code != 2 || !strings.Contains(r.stderr, "1 rows of the table have no order key") {
+			t.Fatalf("jetbox audit exited with %d, want 2 naming the row without a key:\n%s\n%s", r.code, r.stdout, r.stderr)
+		}
+	})
+}
+
+// TestAuditJudgeable: a stream whose retention removes consumed messages
+// cannot be judged even when it still holds seq 1; one that removed
+// messages of the range while the audit ran cannot either.
+func TestAuditJudgeable(t *testing.T) {
+	since := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	wq := streamRange{first: 1, last: 10, msgs: 5, cfg: jetstream.StreamConfig{Retention: jetstream.WorkQueuePolicy}}
+	var u *undecided
+	if err := judgeable(wq, since, time.Minute); !errors.As(err, &u) || !strings.Contains(u.reason, "retention") {
+		t.Errorf("work-queue stream: %v, want undecided naming the retention", err)
+	}
+	sr := streamRange{first: 1, last: 10, msgs: 10}
+	if err := removed(sr, jetstream.StreamState{FirstSeq: 1, Msgs: 10}, since, time.Minute); err != nil {
+		t.Errorf("nothing removed: %v", err)
+	}
+	if err := removed(sr, jetstream.StreamState{FirstSeq: 4, Msgs: 7, FirstTime: since.Add(-time.Hour)}, since, time.Minute); err != nil {
+		t.Errorf("removed before the range only: %v", err)
+	}
+	if err := removed(sr, jetstream.StreamState{FirstSeq: 4, Msgs: 7, FirstTime: since.Add(time.Second)}, since, time.Minute); !errors.As(err, &u) {
+		t.Errorf("removed into the range: %v, want undecided", err)
+	}
+}
+
+// TestAuditMsgTimeline: positions are compared within one history: a
+// message of a new timeline (a failover, a restore) with a lower LSN is
+// another writer key, and a repair's message is marked.
+func TestAuditMsgTimeline(t *testing.T) {
+	h := func(src, lsn string) nats.Header {
+		return nats.Header{"Jetbox-Source": {src}, "Jetbox-Commit-LSN": {lsn}, "Jetbox-Tx-Index": {"0"}, "Nats-Msg-Id": {"x"}}
+	}
+	m1, o1, ok1 := auditMsg(h("7/1/app/jetbox", "0/2000"), 1, time.Now())
+	m2, _, _ := auditMsg(h("7/2/app/jetbox", "0/1000"), 2, time.Now())
+	if !ok1 || o1.Database != "app" || o1.Slot != "jetbox" || m1.Writer == m2.Writer {
+		t.Errorf("writers %q and %q (origin %+v, %v): want one per timeline", m1.Writer, m2.Writer, o1, ok1)
+	}
+	r := h("7/2/app/jetbox", "0/1000")
+	r.Set("Jetbox-Repaired", "true")
+	if m, _, _ := auditMsg(r, 3, time.Now()); !m.Repaired {
+		t.Error("a repair's message is not marked repaired")
+	}
 }

@@ -73,7 +73,7 @@ func (l *auditLoop) once(ctx context.Context, now time.Time) {
 		m.AuditCompleteUntil.Set(unixSeconds(l.since))
 	}
 	began := time.Now()
-	since, rep, err := l.window(ctx, until)
+	since, until, rep, err := l.window(ctx, until)
 	if ctx.Err() != nil {
 		return // stopping: not a result
 	}
@@ -127,43 +127,47 @@ func (l *auditLoop) warn(s string) { l.warning.Store(&s) }
 func unixSeconds(t time.Time) float64 { return float64(t.UnixMicro()) / 1e6 }
 
 // window audits the rows from l.since (or the oldest row, when the table
-// is younger) to until; it returns the window's start.
-func (l *auditLoop) window(ctx context.Context, until time.Time) (time.Time, audit.Report, error) {
+// is younger) to until, or where jetbox has provably published when that
+// is earlier; it returns the window's start and end.
+func (l *auditLoop) window(ctx context.Context, until time.Time) (time.Time, time.Time, audit.Report, error) {
 	cfg, since := l.cfg, l.since
 	nc, err := connectNATS(cfg, l.log, nil)
 	if err != nil {
-		return since, audit.Report{}, fmt.Errorf("connect to NATS %s: %w", redact(cfg.NatsURL), err)
+		return since, until, audit.Report{}, fmt.Errorf("connect to NATS %s: %w", redact(cfg.NatsURL), err)
 	}
 	defer nc.Close()
 	js, err := sink.NewJetStream(nc, cfg.Sink.JSDomain)
 	if err != nil {
-		return since, audit.Report{}, err
+		return since, until, audit.Report{}, err
 	}
 	st, sr, err := openStream(ctx, js, cfg.Sink.Stream)
 	if err != nil {
-		return since, audit.Report{}, err
+		return since, until, audit.Report{}, err
 	}
 	tbl, err := replication.OpenAuditTable(ctx, cfg.PostgresURL, cfg.Replication, cfg.Audit.CreatedAtColumn, cfg.Audit.Margin)
 	if err != nil {
-		return since, audit.Report{}, err
+		return since, until, audit.Report{}, err
 	}
 	defer tbl.Close(context.WithoutCancel(ctx))
 	// No row is older than the table's oldest: start there when the table
 	// is younger than the window.
 	oldest, ok, err := tbl.Oldest(ctx)
 	if err != nil {
-		return since, audit.Report{}, err
+		return since, until, audit.Report{}, err
 	}
 	if ok && oldest.After(since) {
 		since = oldest
 	}
 	if until.Before(since) {
-		return since, audit.Report{}, nil
-	}
-	if err := judgeable(sr, since, cfg.Audit.Margin); err != nil {
-		return since, audit.Report{}, err
+		return since, until, audit.Report{}, nil
 	}
 	a := &auditor{s: auditSettings{cfg: cfg, until: until, margin: cfg.Audit.Margin, pageSize: cfg.Audit.PageSize, createdAt: cfg.Audit.CreatedAtColumn}, stderr: io.Discard}
+	if err := a.prepare(ctx, st, sr, tbl, since); err != nil {
+		return since, until, audit.Report{}, err
+	}
+	if a.s.until.Before(since) {
+		return since, a.s.until, audit.Report{}, nil // nothing published past since yet
+	}
 	rep, err := a.compare(ctx, st, sr, tbl, since)
-	return since, rep, err
+	return since, a.s.until, rep, err
 }

@@ -34,11 +34,15 @@ type Msg struct {
 	RowID  string    // Jetbox-Row-Id: the message is the row's dead letter
 	Time   time.Time // Jetbox-Commit-Time (the stored time when absent)
 	Stored time.Time
-	// Writer is the Jetbox-Source writer; "" for a message jetbox did
-	// not write (no position).
+	// Writer is the Jetbox-Source origin, its timeline included (positions
+	// of one history compare; a failover or a restore starts another);
+	// "" for a message jetbox did not write (no position).
 	Writer string
 	LSN    uint64 // Jetbox-Commit-LSN
 	Index  int    // Jetbox-Tx-Index
+	// Repaired: jetbox repair published it (Jetbox-Repaired), in table
+	// order at its own position: not checked for order.
+	Repaired bool
 }
 
 // Config is one audit's range and mode.
@@ -58,6 +62,10 @@ type Config struct {
 	Batch int
 	// First is how many examples of each kind the report keeps.
 	First int
+	// Escape maps a row's id to its dead letters' Jetbox-Row-Id (ids with
+	// control characters or "Nats-" are escaped, long ones cut); nil: as
+	// is. The rows whose escaped id differs are held (a few bad ids).
+	Escape func(id string) string
 }
 
 // RowFunc returns the next row in (key, id) order; ok false at the end.
@@ -126,8 +134,9 @@ type Auditor struct {
 	order   []string           // pending ids in read order (a queue)
 	head    int
 	missing map[string]time.Time
-	late    []Msg           // unmatched messages awaiting a lookup
-	lateOOO map[uint64]bool // of those, which went backwards (dedup mode)
+	alias   map[string]string // escaped id -> row id, for the rows whose ids differ
+	late    []Msg             // unmatched messages awaiting a lookup
+	lateOOO map[uint64]bool   // of those, which went backwards (dedup mode)
 	last    map[string]pos
 	front   time.Time // the latest message time seen
 }
@@ -145,7 +154,7 @@ func New(cfg Config, next RowFunc, lookup LookupFunc) *Auditor {
 		cfg.MaxMissing = 1_000_000
 	}
 	return &Auditor{cfg: cfg, next: next, lookup: lookup, pending: map[string]pending{}, missing: map[string]time.Time{},
-		lateOOO: map[uint64]bool{}, last: map[string]pos{}}
+		alias: map[string]string{}, lateOOO: map[uint64]bool{}, last: map[string]pos{}}
 }
 
 func (a *Auditor) add(k *Kind, e Example) {
@@ -176,6 +185,11 @@ func (a *Auditor) readRows(ctx context.Context, t time.Time, all bool) error {
 		a.rep.Rows++
 		a.read++
 		a.pending[a.row.ID] = pending{key: a.row.Key, seq: a.read}
+		if a.cfg.Escape != nil {
+			if e := a.cfg.Escape(a.row.ID); e != a.row.ID {
+				a.alias[e] = a.row.ID
+			}
+		}
 		a.order = append(a.order, a.row.ID)
 	}
 	return nil
@@ -219,7 +233,7 @@ func (a *Auditor) Msg(ctx context.Context, m Msg) error {
 		return err
 	}
 	backwards := false
-	if m.Writer != "" {
+	if m.Writer != "" && !m.Repaired {
 		p := pos{m.LSN, m.Index}
 		if l, ok := a.last[m.Writer]; ok && (p.lsn < l.lsn || (p.lsn == l.lsn && p.index <= l.index)) {
 			backwards = true
@@ -229,7 +243,7 @@ func (a *Auditor) Msg(ctx context.Context, m Msg) error {
 	}
 	id, dead := m.ID, false
 	if m.RowID != "" {
-		id, dead = m.RowID, true
+		id, dead = a.rowID(m.RowID), true
 	}
 	if _, ok := a.pending[id]; ok {
 		delete(a.pending, id)
@@ -258,10 +272,19 @@ func (a *Auditor) Msg(ctx context.Context, m Msg) error {
 	return nil
 }
 
+// rowID is the row id a dead letter's Jetbox-Row-Id stands for: a row
+// read whose escaped id it is, else itself.
+func (a *Auditor) rowID(rowID string) string {
+	if id, ok := a.alias[rowID]; ok {
+		return id
+	}
+	return rowID
+}
+
 func (a *Auditor) matched(m Msg, dead, backwards bool) {
 	id := m.ID
 	if dead {
-		id = m.RowID
+		id = a.rowID(m.RowID)
 		a.add(&a.rep.DeadLettered, Example{ID: id, Time: m.Time, Seq: m.Seq})
 	}
 	if backwards {
@@ -279,7 +302,7 @@ func (a *Auditor) resolve(ctx context.Context) error {
 	for _, m := range a.late {
 		id := m.ID
 		if m.RowID != "" {
-			id = m.RowID
+			id = a.rowID(m.RowID)
 		}
 		ids = append(ids, id)
 	}
@@ -308,15 +331,28 @@ func (a *Auditor) resolve(ctx context.Context) error {
 	return nil
 }
 
+// EndRows reads the rest of the rows and declares missing those no
+// message matched yet: the stream has passed the range. Messages may still
+// follow (a repair's, stored late), matching rows counted missing.
+func (a *Auditor) EndRows(ctx context.Context) error {
+	if err := a.readRows(ctx, time.Time{}, true); err != nil {
+		return err
+	}
+	a.evict(time.Time{}, true)
+	return nil
+}
+
+// Missing is how many rows are missing so far.
+func (a *Auditor) Missing() int64 { return a.rep.Missing.Count }
+
 // Finish reads the rest of the rows, decides them and returns the report.
 func (a *Auditor) Finish(ctx context.Context) (Report, error) {
 	if err := a.resolve(ctx); err != nil {
 		return Report{}, err
 	}
-	if err := a.readRows(ctx, time.Time{}, true); err != nil {
+	if err := a.EndRows(ctx); err != nil {
 		return Report{}, err
 	}
-	a.evict(time.Time{}, true)
 	ex := make([]Example, 0, len(a.missing))
 	for id, k := range a.missing {
 		ex = append(ex, Example{ID: id, Time: k})

@@ -4,9 +4,13 @@ import (
 	"context"
 	"fmt"
 	"sort"
+	"strings"
 	"testing"
 	"time"
 )
+
+// escape stands in for the dead letters' id escaping.
+func escape(id string) string { return strings.ReplaceAll(id, "Nats-", "Nats_") }
 
 var t0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 
@@ -30,7 +34,7 @@ func build(data []byte, exactlyOnce bool) scenario {
 	}
 	const margin = 5
 	s := scenario{cfg: Config{Since: t0.Add(10 * time.Second), Until: t0.Add(100 * time.Second), Margin: margin * time.Second,
-		ExactlyOnce: exactlyOnce, Batch: 1 + b(0)%4, MaxMissing: 1 << 20, First: 3}, table: map[string]time.Time{}}
+		ExactlyOnce: exactlyOnce, Batch: 1 + b(0)%4, MaxMissing: 1 << 20, First: 3, Escape: escape}, table: map[string]time.Time{}}
 	n := len(data)
 	type stored struct {
 		m     Msg
@@ -41,6 +45,9 @@ func build(data []byte, exactlyOnce bool) scenario {
 		v := b(i)
 		key := t0.Add(time.Duration(v%110) * time.Second)
 		id := fmt.Sprintf("r%03d", i)
+		if v%5 == 0 {
+			id = "Nats-" + id // a bad id: its dead letters carry it escaped
+		}
 		s.table[id] = key
 		if key.Before(s.cfg.Since) || key.After(s.cfg.Until) {
 			// out of the range: in the table only; maybe in the stream
@@ -53,13 +60,19 @@ func build(data []byte, exactlyOnce bool) scenario {
 		}
 		for c := 0; c < copies; c++ {
 			dt := time.Duration(b(i+c+1)%(margin+1)) * time.Second
-			m := Msg{ID: id, Time: key.Add(dt), Writer: "w", LSN: uint64(key.Add(dt).Unix()), Index: i}
-			if v%13 == 0 {
-				m.ID, m.RowID = "dlq-"+id, id
+			m := Msg{ID: id, Time: key.Add(dt), Writer: "w/1", LSN: uint64(key.Add(dt).Unix()), Index: i}
+			if v%13 == 0 || v%5 == 0 {
+				m.ID, m.RowID = "dlq-"+id, escape(id)
 			}
 			order := int(dt/time.Second)*0 + int(key.Add(dt).Unix())*10 + c
 			if b(i+c+2)%17 == 0 { // stored late (a replay, a repair)
 				order += 400
+				if b(i+c+3)%2 == 0 { // a repair: its own position, in table order
+					m.Repaired, m.LSN, m.Index = true, 1, i
+				}
+			}
+			if b(i+c+4)%23 == 0 { // after a failover: a new history
+				m.Writer, m.LSN = "w/2", m.LSN/2
 			}
 			st = append(st, stored{m, order})
 		}
@@ -87,8 +100,10 @@ func brute(s scenario) Report {
 	var r Report
 	r.Rows = int64(len(s.rows))
 	inRange := map[string]bool{}
+	escaped := map[string]string{} // a row of the range by its escaped id
 	for _, row := range s.rows {
 		inRange[row.ID] = true
+		escaped[escape(row.ID)] = row.ID
 	}
 	seen := map[string]bool{}
 	last := map[string]pos{}
@@ -98,7 +113,7 @@ func brute(s scenario) Report {
 		}
 		r.Messages++
 		back := false
-		if m.Writer != "" {
+		if m.Writer != "" && !m.Repaired {
 			p := pos{m.LSN, m.Index}
 			if l, ok := last[m.Writer]; ok && (p.lsn < l.lsn || (p.lsn == l.lsn && p.index <= l.index)) {
 				back = true
@@ -109,6 +124,9 @@ func brute(s scenario) Report {
 		id, dead := m.ID, m.RowID != ""
 		if dead {
 			id = m.RowID
+			if r, ok := escaped[id]; ok {
+				id = r
+			}
 		}
 		_, inTable := s.table[id]
 		switch {
