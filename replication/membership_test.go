@@ -6,7 +6,6 @@ import (
 	"time"
 
 	"github.com/jetbox-dev/jetbox/decoder"
-	"github.com/jetbox-dev/jetbox/internal/metrics"
 )
 
 func TestMembershipContinuous(t *testing.T) {
@@ -119,7 +118,7 @@ func TestMembershipCheckedEverySession(t *testing.T) {
 	h.run()
 	waitFor(t, "standby and 2 attempts", func() bool {
 		_, starts, _ := h.wal.counts()
-		return h.s.State() == metrics.StateStandby && starts >= 2
+		return h.s.State() == StateStandby && starts >= 2
 	})
 	h.wal.setMembership(16500, "")
 	var err error

@@ -6,7 +6,6 @@ import (
 	"time"
 
 	"github.com/cenkalti/backoff/v5"
-	"github.com/jetbox-dev/jetbox/internal/metrics"
 )
 
 // republish recovers from failed publishes without dropping the replication
@@ -22,7 +21,7 @@ func (l *loop) republish(ctx context.Context, failed int, cause error) error {
 		if IsPermanent(cause) && l.deadLetterable(cause) == nil {
 			return cause
 		}
-		l.s.setState(metrics.StateRepublishing)
+		l.s.setState(StateRepublishing)
 		// The sink's publish timeout bounds the wait; the cap guards against a
 		// client that never resolves a future.
 		if err := l.closeSession(ctx, 2*time.Minute); err != nil {
@@ -93,7 +92,7 @@ func (l *loop) republish(ctx context.Context, failed int, cause error) error {
 		}
 		if failed, cause = l.tracker.Failures(); failed == 0 {
 			l.log.Info().Int("attempt", attempt).Msg("republished; resuming")
-			l.s.setState(metrics.StateStreaming)
+			l.s.setState(StateStreaming)
 			l.lastRecv = time.Now()
 			return nil
 		}

@@ -11,7 +11,6 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jetbox-dev/jetbox/checkpoint"
 	"github.com/jetbox-dev/jetbox/decoder"
-	"github.com/jetbox-dev/jetbox/internal/metrics"
 )
 
 // session is one replication connection from START_REPLICATION to its end.
@@ -128,11 +127,11 @@ func (s *Streamer) session(ctx context.Context) (err error) {
 		return fmt.Errorf("open publishing session: %w", err)
 	}
 	l.sess = sess
-	if s.State() == metrics.StateStandby {
+	if s.State() == StateStandby {
 		log.Info().Str("confirmed_lsn", start.String()).Msg("took over the slot")
 	}
 	log.Info().Str("confirmed_lsn", start.String()).Str("source", source).Msg("streaming")
-	s.setState(metrics.StateStreaming)
+	s.setState(StateStreaming)
 	err = l.run(ctx)
 	return l.finish(ctx, err)
 }

@@ -112,6 +112,7 @@ func New(connString string, cfg Config, sink Sink, log zerolog.Logger) (*Streame
 	if cfg.Metrics == nil {
 		cfg.Metrics = metrics.New()
 	}
+	cfg.Metrics.DeclareStates(States())
 	if cc.ConnectTimeout == 0 {
 		cc.ConnectTimeout = cfg.Timeout
 	}
@@ -120,7 +121,7 @@ func New(connString string, cfg Config, sink Sink, log zerolog.Logger) (*Streame
 	s.mon = &monitor{s: s, published: time.Now()}
 	s.fatal = make(chan error, 1)
 	s.restart = make(chan error, 1)
-	s.setState(metrics.StateStarting)
+	s.setState(StateStarting)
 	return s, nil
 }
 
@@ -164,7 +165,7 @@ func (s *Streamer) setState(state string) {
 func (s *Streamer) State() string { st, _ := s.state.Load().(string); return st }
 
 // Ready reports whether jetbox is streaming and publishing.
-func (s *Streamer) Ready() bool { return s.State() == metrics.StateStreaming }
+func (s *Streamer) Ready() bool { return s.State() == StateStreaming }
 
 // SlotStats returns what the slot monitor last read.
 func (s *Streamer) SlotStats() SlotStats { return s.mon.snapshot() }
@@ -180,7 +181,7 @@ func (s *Streamer) Run(ctx context.Context) error {
 			s.mon.run(mctx)
 		}
 	}()
-	defer func() { stopMonitor(); <-monitorDone; s.setState(metrics.StateStopped) }()
+	defer func() { stopMonitor(); <-monitorDone; s.setState(StateStopped) }()
 
 	bo := backoff.NewExponentialBackOff()
 	bo.InitialInterval = 200 * time.Millisecond
@@ -200,10 +201,10 @@ func (s *Streamer) Run(ctx context.Context) error {
 		var wait time.Duration
 		if isSlotInUse(err) {
 			// Another instance streams: stand by and take over when it goes.
-			if s.State() != metrics.StateStandby {
+			if s.State() != StateStandby {
 				s.log.Info().Err(err).Stringer("retry", s.cfg.StandbyRetry).Msg("another instance holds the slot: standing by")
 			}
-			s.setState(metrics.StateStandby)
+			s.setState(StateStandby)
 			bo.Reset()
 			wait = s.cfg.StandbyRetry/2 + time.Duration(rand.Int64N(int64(s.cfg.StandbyRetry)))
 		} else {
@@ -211,7 +212,7 @@ func (s *Streamer) Run(ctx context.Context) error {
 				bo.Reset()
 			}
 			wait = bo.NextBackOff()
-			s.setState(metrics.StateReconnecting)
+			s.setState(StateReconnecting)
 			s.cfg.Metrics.Reconnects.WithLabelValues("postgres").Inc()
 			s.log.Warn().Err(err).Int("attempt", attempt).Stringer("backoff", wait).Msg("replication session ended, reconnecting")
 		}

@@ -548,7 +548,7 @@ func TestStandbyTakesOverWhenSlotFreed(t *testing.T) {
 	h.run()
 	waitFor(t, "standby and 3 attempts", func() bool {
 		_, starts, _ := h.wal.counts()
-		return h.s.State() == metrics.StateStandby && starts >= 3
+		return h.s.State() == StateStandby && starts >= 3
 	})
 	if h.s.Ready() {
 		t.Fatal("ready in standby")
@@ -560,7 +560,7 @@ func TestStandbyTakesOverWhenSlotFreed(t *testing.T) {
 		t.Fatalf("%d publishing sessions opened by a standby, want none", opens)
 	}
 	h.wal.setSlotBusy(false)
-	waitFor(t, "streaming", func() bool { return h.s.State() == metrics.StateStreaming })
+	waitFor(t, "streaming", func() bool { return h.s.State() == StateStreaming })
 	mu.Lock()
 	if !slices.Equal(marks, []int{1}) {
 		t.Fatalf("slots got at each Open: %v; want one Open, after the slot was got", marks)
@@ -576,7 +576,7 @@ func TestStandbyTakesOverWhenSlotFreed(t *testing.T) {
 	h.assertStoredOnceInOrder(x.ids...)
 	waitFor(t, "ConfirmedLSN "+x.end.String(), func() bool { return h.s.ConfirmedLSN() == x.end })
 	h.finished()
-	if st := h.s.State(); st != metrics.StateStopped {
+	if st := h.s.State(); st != StateStopped {
 		t.Fatalf("state %s after Run, want stopped", st)
 	}
 }
@@ -621,7 +621,7 @@ func TestStopDuringRepublishSlowCloseIsBounded(t *testing.T) {
 	h.run()
 	h.wal.send(x.all()...)
 	waitFor(t, "republishing, waiting in Close", func() bool {
-		return sink.closes() >= 1 && h.s.State() == metrics.StateRepublishing
+		return sink.closes() >= 1 && h.s.State() == StateRepublishing
 	})
 	took, err := h.stop(shutdown + 3*time.Second)
 	if err != nil {

@@ -99,10 +99,10 @@ func (o *opsServer) health(w http.ResponseWriter, _ *http.Request) {
 // budgets), which a standby that cannot reach NATS fails.
 func (o *opsServer) ready(w http.ResponseWriter, req *http.Request) {
 	standbyOK, _ := strconv.ParseBool(req.URL.Query().Get("standby"))
-	r := readiness{State: metrics.StateStarting}
+	r := readiness{State: replication.StateStarting}
 	if s := o.streamer.Load(); s != nil {
 		st := s.SlotStats()
-		ready := s.Ready() || (standbyOK && s.State() == metrics.StateStandby && o.natsConnected())
+		ready := s.Ready() || (standbyOK && s.State() == replication.StateStandby && o.natsConnected())
 		r = readiness{Ready: ready, State: s.State(), ConfirmedLSN: s.ConfirmedLSN().String(),
 			LagBytes: st.LagBytes, RetainedWALBytes: st.RetainedBytes, WALStatus: st.WALStatus}
 		if st.OverThreshold {

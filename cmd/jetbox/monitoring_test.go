@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/jetbox-dev/jetbox/internal/metrics"
+	"github.com/jetbox-dev/jetbox/replication"
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/model"
@@ -164,7 +165,7 @@ func checkQuery(t errorReporter, where, expr string, known series) (names []stri
 	return names
 }
 
-var allStatesForTest = []string{metrics.StateStarting, metrics.StateStreaming, metrics.StateStandby, metrics.StateReconnecting, metrics.StateRepublishing, metrics.StateStopped}
+var allStatesForTest = replication.States()
 
 // parseRules parses a rules file with Prometheus' own rule parser (which also
 // validates each expression, duration and template) and checks every query.

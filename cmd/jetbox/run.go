@@ -356,6 +356,8 @@ func logStart(log zerolog.Logger, cfg Config) {
 func newRunMetrics(cfg Config) *metrics.Metrics {
 	m := metrics.New()
 	m.SetBuild(buildVersion())
+	m.DeclareStates(replication.States())
+	m.SetState(replication.StateStarting)
 	var deadLetter []string
 	if cfg.Replication.Decoder.DeadLetterSubject != "" {
 		for _, r := range format.Reasons() {

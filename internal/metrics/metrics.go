@@ -5,6 +5,8 @@ package metrics
 
 import (
 	"runtime"
+	"slices"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -12,21 +14,12 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 )
 
-// States of the forwarder, exported one-hot as jetbox_state{state=...}.
-const (
-	StateStarting     = "starting"
-	StateStreaming    = "streaming"
-	StateStandby      = "standby"      // another instance holds the slot
-	StateReconnecting = "reconnecting" // between replication sessions
-	StateRepublishing = "republishing" // publishes failed; retrying in order
-	StateStopped      = "stopped"
-)
-
-var allStates = []string{StateStarting, StateStreaming, StateStandby, StateReconnecting, StateRepublishing, StateStopped}
-
 // Metrics holds every collector.
 type Metrics struct {
 	Registry *prometheus.Registry
+
+	stateMu sync.Mutex
+	states  []string // jetbox_state's label values (DeclareStates, SetState)
 
 	Published     prometheus.Counter
 	Duplicates    prometheus.Counter
@@ -141,7 +134,6 @@ func New() *Metrics {
 	for _, r := range AuditResults {
 		m.AuditRuns.WithLabelValues(r)
 	}
-	m.SetState(StateStarting)
 	return m
 }
 
@@ -180,9 +172,27 @@ func (m *Metrics) SecondsSinceLastAck() float64 {
 	return time.Since(since).Seconds()
 }
 
-// SetState makes state the only one with value 1.
+// DeclareStates gives jetbox_state its label values (the owner of the
+// states declares them: replication.States), each at 0 until set.
+func (m *Metrics) DeclareStates(states []string) {
+	m.stateMu.Lock()
+	defer m.stateMu.Unlock()
+	for _, s := range states {
+		if !slices.Contains(m.states, s) {
+			m.states = append(m.states, s)
+			m.State.WithLabelValues(s).Set(0)
+		}
+	}
+}
+
+// SetState makes state the only one of jetbox_state with value 1.
 func (m *Metrics) SetState(state string) {
-	for _, s := range allStates {
+	m.stateMu.Lock()
+	defer m.stateMu.Unlock()
+	if !slices.Contains(m.states, state) {
+		m.states = append(m.states, state)
+	}
+	for _, s := range m.states {
 		v := 0.0
 		if s == state {
 			v = 1
