@@ -14,11 +14,11 @@ import (
 // implements Permanent() true stops jetbox.
 type Sink interface {
 	// Open starts a session for events from source (see decoder.Event.Origin).
-	Open(ctx context.Context, source string) (Session, error)
+	Open(ctx context.Context, source string) (PublishSession, error)
 }
 
-// Session publishes the events of one replication session.
-type Session interface {
+// PublishSession publishes the events of one replication session.
+type PublishSession interface {
 	// Publish sends ev. done is called exactly once, with nil once JetStream
 	// stored it, unless Close gave up waiting. A returned error means ev was
 	// not sent and done will not be called.

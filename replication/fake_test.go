@@ -457,7 +457,7 @@ func (s *fakeSink) Tip(context.Context, string) (StreamTip, bool, error) {
 
 func (s *fakeSink) Forget(tip StreamTip, _ pglogrepl.LSN) { s.forgot.Store(int64(tip.Seq)) }
 
-func (s *fakeSink) Open(ctx context.Context, source string) (Session, error) {
+func (s *fakeSink) Open(ctx context.Context, source string) (PublishSession, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.opens++

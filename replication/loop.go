@@ -21,7 +21,7 @@ type loop struct {
 	log     zerolog.Logger
 	tracker *checkpoint.Tracker[*decoder.Event]
 	dec     *decoder.Decoder
-	sess    Session
+	sess    PublishSession
 	source  string
 	start   pglogrepl.LSN // the slot's confirmed position when the session started
 	replay  *tipReplay    // nil: the slot does not replay the stream's tip

@@ -101,9 +101,9 @@ func (l *loop) republish(ctx context.Context, failed int, cause error) error {
 
 // openSession opens a sink session while keeping status updates flowing
 // (exactly-once mode reads the stream first, which may take a while).
-func (l *loop) openSession(ctx context.Context) (Session, error) {
+func (l *loop) openSession(ctx context.Context) (PublishSession, error) {
 	type result struct {
-		s   Session
+		s   PublishSession
 		err error
 	}
 	done := make(chan result, 1)

@@ -13,8 +13,8 @@ import (
 	"github.com/jetbox-dev/jetbox/decoder"
 )
 
-// session is one replication connection from START_REPLICATION to its end.
-func (s *Streamer) session(ctx context.Context) (err error) {
+// replicate is one replication connection from START_REPLICATION to its end.
+func (s *Streamer) replicate(ctx context.Context) (err error) {
 	// Bound the whole set-up: a blackholed network would hang it forever.
 	sctx, cancel := context.WithTimeout(ctx, s.cfg.Timeout)
 	defer cancel()

@@ -188,7 +188,7 @@ func (s *Streamer) Run(ctx context.Context) error {
 	bo.MaxInterval = s.cfg.MaxBackoff
 	for attempt := 1; ; attempt++ {
 		started := time.Now()
-		err := s.session(ctx)
+		err := s.replicate(ctx)
 		if ctx.Err() != nil {
 			return nil
 		}

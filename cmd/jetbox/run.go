@@ -178,7 +178,7 @@ func (a sinkAdapter) Forget(t replication.StreamTip, from pglogrepl.LSN) {
 	a.p.ForgetHistory(t.Seq, t.Origin, format.Position{CommitLSN: uint64(from)})
 }
 
-func (a sinkAdapter) Open(ctx context.Context, source string) (replication.Session, error) {
+func (a sinkAdapter) Open(ctx context.Context, source string) (replication.PublishSession, error) {
 	if a.atomic {
 		s, err := a.p.OpenAtomic(ctx, source)
 		if err != nil {
