@@ -16,7 +16,6 @@ import (
 
 	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/jetbox-dev/jetbox/internal/audit"
-	"github.com/jetbox-dev/jetbox/internal/natsembed"
 	"github.com/jetbox-dev/jetbox/replication"
 	"github.com/jetbox-dev/jetbox/sink"
 	"github.com/jetbox-dev/jetbox/sink/format"
@@ -162,14 +161,11 @@ type streamRange struct {
 
 func (a *auditor) run(ctx context.Context) (int, error) {
 	cfg := a.s.cfg
-	if cfg.NatsURL == "embedded" {
-		srv, err := startEmbeddedNATS(cfg)
-		if err != nil {
-			return exitConfig, err
-		}
-		defer natsembed.Stop(srv)
-		cfg.NatsURL = srv.ClientURL()
+	stopNATS, err := embedNATS(&cfg)
+	if err != nil {
+		return exitConfig, err
 	}
+	defer stopNATS()
 	log := newLogger(cfg, a.stderr).With().Str("command", "audit").Logger()
 	nc, err := connectNATS(cfg, log, func(error) {})
 	if err != nil {

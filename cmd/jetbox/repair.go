@@ -12,7 +12,6 @@ import (
 	"github.com/jetbox-dev/jetbox/sink/format"
 
 	"github.com/jetbox-dev/jetbox/decoder"
-	"github.com/jetbox-dev/jetbox/internal/natsembed"
 	"github.com/jetbox-dev/jetbox/internal/repair"
 	"github.com/jetbox-dev/jetbox/replication"
 	"github.com/jetbox-dev/jetbox/sink"
@@ -98,14 +97,11 @@ type repairer struct {
 
 func (r *repairer) run(ctx context.Context) (int, error) {
 	cfg := r.cfg
-	if cfg.NatsURL == "embedded" {
-		srv, err := startEmbeddedNATS(cfg)
-		if err != nil {
-			return exitConfig, err
-		}
-		defer natsembed.Stop(srv)
-		cfg.NatsURL = srv.ClientURL()
+	stopNATS, err := embedNATS(&cfg)
+	if err != nil {
+		return exitConfig, err
 	}
+	defer stopNATS()
 	var pubRef atomic.Pointer[sink.Publisher]
 	nc, err := connectNATS(cfg, r.log, func(err error) {
 		if p := pubRef.Load(); p != nil {

@@ -125,6 +125,20 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 // errNATSClosed stops the streamer when the NATS connection is CLOSED.
 var errNATSClosed = errors.New("the NATS connection is closed")
 
+// embedNATS starts the embedded server when cfg names it
+// (--nats-url=embedded) and points cfg at it; stop shuts it down.
+func embedNATS(cfg *Config) (stop func(), err error) {
+	if cfg.NatsURL != "embedded" {
+		return func() {}, nil
+	}
+	srv, err := startEmbeddedNATS(*cfg)
+	if err != nil {
+		return func() {}, err
+	}
+	cfg.NatsURL = srv.ClientURL()
+	return func() { natsembed.Stop(srv) }, nil
+}
+
 // startEmbeddedNATS runs the NATS server inside jetbox (--nats-url=embedded).
 func startEmbeddedNATS(cfg Config) (*server.Server, error) {
 	host, port, _ := net.SplitHostPort(cfg.NatsListen)
