@@ -196,7 +196,7 @@ func (f *fakeWAL) serve(n int, conn net.Conn) error {
 				f.mu.Unlock()
 				rows(be, []string{"coalesce"}, []string{lsn.String()})
 			case strings.HasPrefix(m.String, "SELECT coalesce((SELECT CASE WHEN (to_jsonb(s) ->> 'invalidation_reason')"): // readServer
-				rows(be, []string{"invalidation", "marker"}, []string{"", "f"})
+				rows(be, []string{"invalidation", "marker", "recovery", "synced"}, []string{"", "f", "f", "f"})
 			case strings.HasPrefix(m.String, "SELECT coalesce(to_regclass("):
 				rows(be, []string{"oid", "lsn"}, []string{strconv.Itoa(outboxRelID), "0/1000000"})
 			case strings.HasPrefix(m.String, "SELECT oid::text, typbasetype::text FROM pg_type"):

@@ -108,7 +108,10 @@ type server struct {
 	// lostCause is why (invalidationSQL: wal_removed, rows_removed...).
 	lostCause string
 	marker    bool // a repair of the slot has not finished (RepairMarker exists)
-	history   func(ctx context.Context, timeline int32) ([]byte, error)
+	// recovery: the server is a standby; synced: the slot is a copy that
+	// sync_replication_slots keeps (PostgreSQL 17+), which cannot stream.
+	recovery, synced bool
+	history          func(ctx context.Context, timeline int32) ([]byte, error)
 }
 
 // verify compares the stream's tip with the server; a nil error means the
@@ -142,6 +145,12 @@ func verify(ctx context.Context, tip StreamTip, haveTip bool, srv server, slot s
 			slot, what, srv.sys.Timeline)}
 	}
 	if src.Timeline == srv.sys.Timeline {
+		if tip.CommitLSN >= srv.sys.XLogPos && srv.recovery {
+			// A standby reports what it has replayed: after a restart it
+			// replays its own WAL, from before the tip, before it streams.
+			return fmt.Errorf("%w: the standby has replayed up to %s, not yet past the stream's last position %s on timeline %d: waiting for it (a standby that restarted, or lags)",
+				errStandbyBehind, srv.sys.XLogPos, tip.CommitLSN, srv.sys.Timeline)
+		}
 		if tip.CommitLSN >= srv.sys.XLogPos {
 			return &HistoryError{Case: CaseRewind, Tip: tip, Detail: fmt.Sprintf(
 				"the stream's last position %s is ahead of the server's WAL position %s on the same timeline %d (the server was restored from a snapshot or backup, or rewound): rows committed since reuse positions the stream already holds",
@@ -204,6 +213,10 @@ func branchPoint(content []byte, tl int32) (pglogrepl.LSN, bool, error) {
 	return 0, false, sc.Err()
 }
 
+// errStandbyBehind: a standby has not replayed up to the stream's tip yet,
+// which it will (retried, not a history break).
+var errStandbyBehind = errors.New("the standby is behind the stream")
+
 // readServer gathers, over a replication connection, what verify needs.
 func readServer(ctx context.Context, conn *pgconn.PgConn, slot string) (server, error) {
 	sys, err := pglogrepl.IdentifySystem(ctx, conn)
@@ -214,7 +227,8 @@ func readServer(ctx context.Context, conn *pgconn.PgConn, slot string) (server, 
 	// marker exists (with or without the slot: a repair killed before it
 	// created the slot).
 	res, err := conn.Exec(ctx, "SELECT coalesce((SELECT "+invalidationSQL+" FROM pg_replication_slots s WHERE slot_name = "+quoteLiteral(slot)+
-		"), '-'), EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = "+quoteLiteral(RepairMarker(slot))+")").ReadAll()
+		"), '-'), EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = "+quoteLiteral(RepairMarker(slot))+"), pg_is_in_recovery(), "+
+		"EXISTS (SELECT 1 FROM pg_replication_slots s WHERE slot_name = "+quoteLiteral(slot)+" AND coalesce((to_jsonb(s) ->> 'synced')::bool, false))").ReadAll()
 	if err != nil {
 		return server{}, fmt.Errorf("read slot %q: %w", slot, err)
 	}
@@ -222,7 +236,7 @@ func readServer(ctx context.Context, conn *pgconn.PgConn, slot string) (server, 
 		h, err := pglogrepl.TimelineHistory(ctx, conn, tl)
 		return h.Content, err
 	}}
-	if len(res) != 1 || len(res[0].Rows) != 1 || len(res[0].Rows[0]) != 2 {
+	if len(res) != 1 || len(res[0].Rows) != 1 || len(res[0].Rows[0]) != 4 {
 		return server{}, fmt.Errorf("read slot %q: unexpected result", slot)
 	}
 	row := res[0].Rows[0]
@@ -233,6 +247,11 @@ func readServer(ctx context.Context, conn *pgconn.PgConn, slot string) (server, 
 	srv.lostSlot = srv.lostCause != ""
 	srv.slot = string(row[0]) != "-" && !srv.lostSlot
 	srv.marker = string(row[1]) == "t"
+	srv.recovery, srv.synced = string(row[2]) == "t", string(row[3]) == "t"
+	if srv.recovery && srv.synced {
+		return server{}, &PermanentError{Err: fmt.Errorf("replication slot %q on this standby is a copy that sync_replication_slots keeps in step with the primary's slot of that name: a standby cannot stream from such a copy", slot),
+			Hint: "to decode on this standby give jetbox a slot of its own (--slot) and hot_standby_feedback; to keep decoding on the primary point --postgres-url at the primary (the copy takes over at a promotion)"}
+	}
 	return srv, nil
 }
 

@@ -44,10 +44,19 @@ func TestVerifyHistory(t *testing.T) {
 		{"an unfinished repair of an empty stream", StreamTip{}, false, server{sys: srv(1, 0x4000000, true).sys, slot: true, marker: true}, CaseRepair},
 		{"a repair killed between its marker and its slot", StreamTip{}, false, server{sys: srv(1, 0x4000000, true).sys, marker: true}, CaseRepair},
 		{"a database name with a slash", tip("42/1/a%2Fb/jetbox", 0x5000000), true, server{sys: pglogrepl.IdentifySystemResult{SystemID: "42", Timeline: 1, XLogPos: 0x4000000, DBName: "a/b"}, slot: true}, CaseRewind},
+		// A standby reports its replay position, behind the tip for a
+		// while after a restart: wait for it, no history break.
+		{"a standby replayed short of the tip", tip("42/1/app/jetbox", 0x5000000), true, server{sys: srv(1, 0x4000000, true).sys, slot: true, recovery: true}, "behind"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			err := verify(context.Background(), c.tip, c.haveTip, c.srv, "jetbox")
 			var he *HistoryError
+			if c.want == "behind" {
+				if !errors.Is(err, errStandbyBehind) || errors.As(err, &he) || IsPermanent(err) {
+					t.Fatalf("got %v, want a retryable wait for the standby", err)
+				}
+				return
+			}
 			switch {
 			case c.want == "" && err != nil:
 				t.Fatalf("unexpected error: %v", err)

@@ -77,10 +77,19 @@ func (s *Streamer) replicate(ctx context.Context) (err error) {
 		replay = newTipReplay(tip, start)
 	}
 	var gate *recoveryGate
-	if standby, err := inRecovery(sctx, conn); err != nil {
+	standby, err := inRecovery(sctx, conn)
+	if err != nil {
 		return err
-	} else if standby {
-		if gate, err = openRecoveryGate(sctx, s.connString); err != nil {
+	}
+	// A promotion since IDENTIFY_SYSTEM (checkHistory) moved the server
+	// to another timeline than the one the events would be labelled with.
+	if now, err := pglogrepl.IdentifySystem(sctx, conn); err != nil {
+		return fmt.Errorf("identify system: %w", err)
+	} else if now.Timeline != sys.Timeline {
+		return fmt.Errorf("the server moved from timeline %d to %d while the session started (a promotion): starting again", sys.Timeline, now.Timeline)
+	}
+	if standby {
+		if gate, err = openRecoveryGate(sctx, s.connString, sys.Timeline); err != nil {
 			return err
 		}
 		defer gate.close()

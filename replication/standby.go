@@ -8,6 +8,7 @@ import (
 
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jetbox-dev/jetbox/internal/check"
 	"github.com/rs/zerolog"
 )
@@ -93,12 +94,12 @@ func (c *checker) primary() {
 	}
 	defer pc.Close(context.WithoutCancel(ctx))
 	var recovery, snapshot bool
-	var walLevel string
+	var walLevel, db, ownDB string
 	var sys, own int64
 	err = pc.QueryRow(ctx, `SELECT pg_is_in_recovery(), current_setting('wal_level'), (SELECT system_identifier FROM pg_control_system()),
-		has_function_privilege('pg_log_standby_snapshot()', 'EXECUTE')`).Scan(&recovery, &walLevel, &sys, &snapshot)
+		has_function_privilege('pg_log_standby_snapshot()', 'EXECUTE'), current_database()`).Scan(&recovery, &walLevel, &sys, &snapshot, &db)
 	if err == nil {
-		err = c.conn.QueryRow(c.ctx, "SELECT system_identifier FROM pg_control_system()").Scan(&own)
+		err = c.conn.QueryRow(c.ctx, "SELECT system_identifier, current_database() FROM pg_control_system()").Scan(&own, &ownDB)
 	}
 	if err != nil {
 		c.fail("postgres.primary_url", err)
@@ -114,6 +115,9 @@ func (c *checker) primary() {
 	}
 	if sys != own {
 		bad("postgres.primary_url", fmt.Sprintf("--primary-url names another cluster (system identifier %d, this standby's is %d)", sys, own), "point --primary-url at the primary this standby replicates from")
+	} else if db != ownDB {
+		bad("postgres.primary_url", fmt.Sprintf("--primary-url names database %q, --postgres-url %q: the publication and the heartbeats would go to another database than the one jetbox decodes", db, ownDB),
+			"give --primary-url the same database as --postgres-url")
 	}
 	if walLevel != "logical" {
 		bad("postgres.primary_wal_level", fmt.Sprintf("wal_level is %q on the primary: a standby decodes only WAL the primary writes at wal_level logical", walLevel),
@@ -141,6 +145,17 @@ func ensurePublicationOnPrimary(ctx context.Context, standby *pgx.Conn, cfg Conf
 		return fmt.Errorf("connect to the primary (--primary-url) to create publication %q: %w", cfg.Publication, err)
 	}
 	defer pc.Close(context.WithoutCancel(ctx))
+	var db, ownDB string
+	if err := pc.QueryRow(ctx, "SELECT current_database()").Scan(&db); err != nil {
+		return fmt.Errorf("read the primary's database: %w", err)
+	}
+	if err := standby.QueryRow(ctx, "SELECT current_database()").Scan(&ownDB); err != nil {
+		return fmt.Errorf("read the standby's database: %w", err)
+	}
+	if db != ownDB {
+		return &PermanentError{Err: fmt.Errorf("--primary-url names database %q, --postgres-url %q: the publication would be created in another database than the one jetbox decodes", db, ownDB),
+			Hint: "give --primary-url the same database as --postgres-url"}
+	}
 	if err := createPublication(ctx, pc, cfg); err != nil {
 		return err
 	}
@@ -186,10 +201,14 @@ func createSlotOnStandby(ctx context.Context, conn *pgx.Conn, cfg Config, wait t
 	var lsn string
 	// failover stays false: a standby refuses failover for a slot created on it.
 	err := conn.QueryRow(cctx, "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput', false)", cfg.Slot).Scan(&lsn)
-	if err != nil && cctx.Err() != nil && ctx.Err() == nil {
+	if err != nil && cctx.Err() != nil {
 		// PostgreSQL 16 may not act on the cancel in this wait: end the
-		// backend, so it leaves no slot behind when a record comes later.
-		terminate(ctx, conn.Config().ConnString(), pid)
+		// backend, so it leaves no slot behind when a record comes later
+		// (also when jetbox is stopping).
+		terminate(context.WithoutCancel(ctx), conn.Config().ConnString(), pid)
+		if ctx.Err() != nil {
+			return "", ctx.Err()
+		}
 		if cfg.PrimaryURL == "" {
 			return "", &PermanentError{Err: fmt.Errorf("%w: creating replication slot %q on the standby waited %s for the primary to log a running-transactions record (a quiet primary logs one only after other WAL)", ErrStandbySnapshot, cfg.Slot, wait),
 				Hint: "set --primary-url (JETBOX_PRIMARY_URL) to the primary: jetbox then calls SELECT pg_log_standby_snapshot() there while the creation waits; or run that on the primary yourself, or write to it, while jetbox starts"}
@@ -240,45 +259,61 @@ func standbySlotWait(cfg Config) time.Duration {
 }
 
 // recoveryGate holds back, on a session that decodes on a standby, each
-// transaction past what the standby is known to have replayed while in
-// recovery, until it has checked it still is: the walsender follows a
-// promotion onto the new timeline, while the session labels its events
-// with the timeline it started on (Event.Origin). A promotion ends the
-// session before the first transaction it cannot label; the next session
-// labels with the new timeline.
+// transaction past what the standby is known to have replayed, in
+// recovery and on the session's timeline, until it has checked it still
+// is: the walsender follows a promotion onto the new timeline, and a
+// standby that follows another promoted standby onto its timeline, while
+// the session labels its events with the timeline it started on
+// (Event.Origin). Either ends the session before the first transaction it
+// cannot label; the next session labels with the new timeline.
 type recoveryGate struct {
-	conn      *pgx.Conn
-	confirmed uint64 // replayed in recovery up to here
+	conn      *pgconn.PgConn // replication=database: SQL and IDENTIFY_SYSTEM
+	timeline  int32          // the session's
+	confirmed uint64         // replayed in recovery on timeline up to here
 }
 
-// openRecoveryGate connects to the standby for the gate's checks.
-func openRecoveryGate(ctx context.Context, connString string) (*recoveryGate, error) {
-	conn, err := connect(ctx, connString)
+// openRecoveryGate connects to the standby for the gate's checks of a
+// session on timeline.
+func openRecoveryGate(ctx context.Context, connString string, timeline int32) (*recoveryGate, error) {
+	cc, err := replicationConfig(connString)
+	if err != nil {
+		return nil, err
+	}
+	conn, err := pgconn.ConnectConfig(ctx, cc)
 	if err != nil {
 		return nil, fmt.Errorf("connect to the standby for its recovery state: %w", err)
 	}
-	return &recoveryGate{conn: conn}, nil
+	return &recoveryGate{conn: conn, timeline: timeline}, nil
 }
 
 // pass returns nil when the transaction committed at lsn was replayed in
-// recovery, errPromoted when the server has been promoted since.
+// recovery on the session's timeline, errPromoted when the server has been
+// promoted, or moved to another timeline, since.
 func (g *recoveryGate) pass(ctx context.Context, lsn uint64) error {
 	if g == nil || lsn < g.confirmed {
 		return nil
 	}
 	qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	var recovery bool
-	var replay string
-	if err := g.conn.QueryRow(qctx, "SELECT pg_is_in_recovery(), coalesce(pg_last_wal_replay_lsn(), '0/0')::text").Scan(&recovery, &replay); err != nil {
-		return fmt.Errorf("read the standby's recovery state: %w", err)
+	// The replay position first, then the timeline: a timeline still the
+	// session's after the position was read was the one replayed up to it.
+	res, err := g.conn.Exec(qctx, "SELECT pg_is_in_recovery(), coalesce(pg_last_wal_replay_lsn(), '0/0')::text").ReadAll()
+	if err != nil || len(res) != 1 || len(res[0].Rows) != 1 || len(res[0].Rows[0]) != 2 {
+		return fmt.Errorf("read the standby's recovery state: %v", err)
 	}
-	if !recovery {
+	if string(res[0].Rows[0][0]) != "t" {
 		return errPromoted
 	}
-	r, err := pglogrepl.ParseLSN(replay)
+	r, err := pglogrepl.ParseLSN(string(res[0].Rows[0][1]))
 	if err != nil {
 		return fmt.Errorf("parse pg_last_wal_replay_lsn: %w", err)
+	}
+	sys, err := pglogrepl.IdentifySystem(qctx, g.conn)
+	if err != nil {
+		return fmt.Errorf("read the standby's timeline: %w", err)
+	}
+	if sys.Timeline != g.timeline {
+		return errPromoted
 	}
 	g.confirmed = uint64(r) + 1
 	return nil

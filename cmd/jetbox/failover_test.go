@@ -93,6 +93,10 @@ func TestFailoverWithFailoverSlots(t *testing.T) {
 				if strings.Contains(out.String(), "hot_standby_feedback") {
 					t.Fatalf("check warns about hot_standby_feedback of a standby that sends it:\n%s", out.String())
 				}
+				// A second jetbox pointed at the standby, on the same slot
+				// name, finds the synchronised copy: refused, not a loop.
+				on := f.start("JETBOX_POSTGRES_URL="+sb.DSN, "JETBOX_HTTP_ADDR=")
+				on.waitExit(exitConfig, "a copy that sync_replication_slots keeps in step")
 			}
 			f.progress(600, time.Minute)
 			promoted := failover(t, f, sb)
