@@ -37,6 +37,7 @@ func Check(ctx context.Context, connString string, cfg Config) ([]check.Finding,
 	c.membership(pubExists)
 	c.repairMarker()
 	c.failover()
+	c.orderIndex(tableOK)
 	return l, nil
 }
 
@@ -479,4 +480,26 @@ func createPublication(ctx context.Context, conn *pgx.Conn, cfg Config) error {
 func isDuplicate(err error) bool {
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && (pgErr.Code == "42710" || pgErr.Code == "23505")
+}
+
+// orderIndex warns when the outbox's created-at column, by which jetbox
+// repair and jetbox audit read the table page by page, leads no index:
+// every page then scans the table, and an audit's cost grows with the
+// square of the range.
+func (c *checker) orderIndex(tableOK bool) {
+	col := c.cfg.CreatedAtColumn
+	if !tableOK || col == "" || !c.cfg.hasTable() {
+		return
+	}
+	var hasCol, indexed bool
+	err := c.conn.QueryRow(c.ctx, `SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = $2 AND attnum > 0 AND NOT attisdropped),
+		EXISTS (SELECT 1 FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0] WHERE i.indrelid = to_regclass($1) AND a.attname = $2)`,
+		c.cfg.quotedTable(), col).Scan(&hasCol, &indexed)
+	switch {
+	case err != nil:
+		c.fail("postgres.order_index", err)
+	case hasCol && !indexed:
+		c.l.Add(check.Warning, "postgres.order_index", fmt.Sprintf("no index of %s leads with %s: jetbox audit and jetbox repair read the table page by page on it, and each page then scans the whole table", c.cfg.qualifiedTable(), col),
+			fmt.Sprintf("CREATE INDEX CONCURRENTLY ON %s (%s, %s)", c.cfg.quotedTable(), pgx.Identifier{col}.Sanitize(), pgx.Identifier{c.cfg.Decoder.Columns.ID}.Sanitize()))
+	}
 }

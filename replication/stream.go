@@ -53,6 +53,9 @@ type Config struct {
 	// the publication, heartbeats and standby snapshots while the slot is
 	// created (--primary-url). Empty: none of these.
 	PrimaryURL string
+	// CreatedAtColumn is the insert-time column jetbox repair and jetbox
+	// audit page the outbox by (check says when no index leads with it).
+	CreatedAtColumn string
 }
 
 func (c Config) qualifiedTable() string { return c.Decoder.Schema + "." + c.Decoder.Table }

@@ -6,8 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"os"
-	"runtime/debug"
 	"strconv"
 	"strings"
 	"sync"
@@ -111,11 +109,7 @@ func (c *auditCmd) settings(now time.Time) (auditSettings, error) {
 }
 
 func (c *auditCmd) run(ctx context.Context, stdout, stderr io.Writer) int {
-	if os.Getenv("GOGC") == "" {
-		// The audit's memory is bounded by its windows: fewer GC cycles
-		// for a faster read (docs/performance.md).
-		debug.SetGCPercent(400)
-	}
+
 	s, err := c.settings(time.Now())
 	if err != nil {
 		printProblems(stderr, "configuration", err)

@@ -219,6 +219,7 @@ func TestAuditRate(t *testing.T) {
 	f := newFixture(t)
 	p := f.start("JETBOX_LOG_LEVEL=info")
 	f.waitStreaming(p)
+	f.pg.Exec(t, "CREATE INDEX ON outbox (created_at, id)") // the index jetbox check asks for
 	for done := 0; done < n; done += 10_000 {
 		f.pg.Exec(t, `INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
 			SELECT 'order', 'o-' || g, 'OrderCreated', jsonb_build_object('n', g) FROM generate_series(1, $1) g`, min(10_000, n-done))
@@ -417,5 +418,22 @@ func TestAuditMsgTimeline(t *testing.T) {
 	r.Set("Jetbox-Repaired", "true")
 	if m, _, _ := auditMsg(r, 3, time.Now()); !m.Repaired {
 		t.Error("a repair's message is not marked repaired")
+	}
+}
+
+// TestCheckOrderIndex: jetbox check warns when no index leads with the
+// created-at column (the audit and the repair page through the table on
+// it), with the CREATE INDEX that fixes it; with the index, it does not.
+func TestCheckOrderIndex(t *testing.T) {
+	f := newFixture(t)
+	args := []string{"check", "--postgres-url=" + f.pg.DSN, "--nats-url=" + f.nats.URL}
+	var out, errOut bytes.Buffer
+	if code := realMain(args, &out, &errOut); code != exitOK || !strings.Contains(out.String(), `CREATE INDEX CONCURRENTLY ON "public"."outbox" ("created_at", "id")`) {
+		t.Fatalf("check without the index: exit %d, want 0 and the index warning:\n%s%s", code, out.String(), errOut.String())
+	}
+	f.pg.Exec(t, "CREATE INDEX ON outbox (created_at, id)")
+	out.Reset()
+	if code := realMain(args, &out, &errOut); code != exitOK || strings.Contains(out.String(), "postgres.order_index") {
+		t.Fatalf("check with the index: exit %d:\n%s%s", code, out.String(), errOut.String())
 	}
 }

@@ -137,6 +137,7 @@ func (f *RunFlags) Config() (Config, error) {
 		AcceptLostRows:     acceptLost,
 		AllowRoutingChange: allowRouting,
 		PrimaryURL:         f.PrimaryURL,
+		CreatedAtColumn:    f.CreatedAtColumn,
 	}
 	c.Sink = sink.Config{Stream: f.Stream, SubjectPrefix: f.SubjectPrefix, DuplicateWindow: dupWindow, StreamSpec: spec,
 		PublishTimeout: t.publish, MaxPending: l.inFlight, MaxControlLine: l.controlLine, Delivery: delivery, DeadLetterSubject: deadLetter,
