@@ -106,6 +106,7 @@ type RunFlags struct {
 	NatsInboxPrefix string `name:"nats-inbox-prefix" env:"JETBOX_NATS_INBOX_PREFIX" help:"Prefix of the reply subjects jetbox subscribes to (PubAcks, JetStream API replies) instead of _INBOX, for accounts that allow subscribing only under it." placeholder:"PREFIX" group:"nats"`
 	NatsJSDomain    string `name:"nats-js-domain" env:"JETBOX_NATS_JS_DOMAIN" help:"JetStream domain of the stream, for a stream in a hub reached through a leafnode (its API is $JS.<domain>.API)." placeholder:"DOMAIN" group:"nats"`
 	NatsMaxCtlLine  string `name:"nats-max-control-line" env:"JETBOX_NATS_MAX_CONTROL_LINE" default:"${default_nats_max_control_line}" help:"The NATS server's max_control_line (servers do not announce it): a row whose subject would not fit, with the reply and sizes, is invalid (bad-subject) instead of making the server close the connection (default: ${default})." group:"nats" placeholder:"BYTES"`
+	StandbyURLs     string `name:"standby-urls" env:"JETBOX_STANDBY_URLS" help:"PostgreSQL 17+ standbys that synchronise jetbox's failover slot, comma-separated libpq URLs (one host each): the instance that streams reads there every --monitor-interval whether the slot's copy is persisted (jetbox_failover_slot_ready, /readyz, jetbox check) and asks them to synchronise it (pg_sync_replication_slots()) while it is not." placeholder:"URLS" group:"postgres"`
 	Table           string `name:"table" env:"JETBOX_TABLE" default:"public.outbox" help:"Outbox table, schema.name." group:"postgres"`
 	Slot            string `name:"slot" env:"JETBOX_SLOT" default:"jetbox" help:"Logical replication slot (created if missing)." group:"postgres"`
 	Publication     string `name:"publication" env:"JETBOX_PUBLICATION" default:"jetbox" help:"Publication (created if missing)." group:"postgres"`
@@ -163,6 +164,8 @@ type RunFlags struct {
 // Config is the validated configuration of `jetbox run`.
 type Config struct {
 	PostgresURL string
+	// StandbyURLs are the standbys watched for the slot's copy (--standby-urls).
+	StandbyURLs []string
 	NatsURL     string
 	NATS        NATSAuth
 	// NatsListen and NatsStoreDir configure the embedded server (--nats-url=embedded).
@@ -290,6 +293,7 @@ func (f *RunFlags) Config() (Config, error) {
 	} else if _, err := pgconn.ParseConfig(f.PostgresURL); err != nil {
 		bad("postgres-url", "", "cannot be parsed: "+redact(err.Error()), "use a libpq URL (postgres://user:pass@host:5432/db) or a key=value DSN")
 	}
+	c.StandbyURLs = standbyURLs(f.StandbyURLs, bad)
 	if f.NatsURL == "embedded" {
 		if f.NatsStoreDir == "" {
 			bad("nats-store-dir", "", "required with --nats-url=embedded", "give a persistent directory for the embedded server's JetStream store")

@@ -143,10 +143,18 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 		audits = newAuditLoop(cfg, streamer.Ready, log)
 		log.Info().Stringer("interval", cfg.Audit.Interval).Stringer("grace", cfg.Audit.Grace).Msg("auditing the stream against the table continuously while streaming")
 	}
+	var slots *slotWatch
+	if len(cfg.StandbyURLs) > 0 {
+		slots = newSlotWatch(cfg, streamer.Ready, func() bool {
+			st := streamer.State()
+			return st == metrics.StateStandby || st == metrics.StateStopped
+		}, log)
+	}
 	if ops != nil {
 		ops.streamer.Store(streamer)
 		ops.nats.Store(pub)
 		ops.audit.Store(audits)
+		ops.slots.Store(slots)
 	}
 	if !cfg.Sink.OrderGuard && !cfg.Sink.ExactlyOnce {
 		log.Warn().Msg("--order-guard=false: after a lost publish, later events may be stored before it is republished (out of commit order)")
@@ -170,9 +178,17 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 			audits.run(rctx)
 		}
 	}()
+	slotsDone := make(chan struct{})
+	go func() {
+		defer close(slotsDone)
+		if slots != nil {
+			slots.run(rctx)
+		}
+	}()
 	err = streamer.Run(rctx)
 	stop(nil)
 	<-auditDone
+	<-slotsDone
 	if errors.Is(context.Cause(rctx), errNATSClosed) && (err == nil || errors.Is(err, context.Canceled)) {
 		err = pub.ClosedError()
 	}
