@@ -71,7 +71,7 @@ type Streamer struct {
 	sink       Sink
 	log        zerolog.Logger
 	sent       atomic.Uint64 // last LSN confirmed to Postgres
-	state      atomic.Value  // string, one of metrics.State*
+	state      atomic.Value  // string, one of the State* names
 	mon        *monitor
 	fatal      chan error // the monitor found a reason to stop
 	restart    chan error // the monitor found a reason to reconnect (a promotion)

@@ -131,6 +131,7 @@ func (c *checkCmd) run(ctx context.Context, stdout, stderr io.Writer) int {
 		side, _, _ := strings.Cut(e.Error(), ":")
 		r.findings = append(r.findings, check.Finding{Severity: check.Error, Check: side + ".connect", What: e.Error()})
 	}
+	r.findings = append(r.findings, standbyFindings(ctx, cfg)...) // slotsync.go
 	fatal := check.Fatal(r.findings)
 	if c.JSON {
 		enc := json.NewEncoder(stdout)

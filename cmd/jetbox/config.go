@@ -24,6 +24,8 @@ import (
 // Config is the validated configuration of `jetbox run`.
 type Config struct {
 	PostgresURL string
+	// StandbyURLs are the standbys watched for the slot's copy (--standby-urls).
+	StandbyURLs []string
 	NatsURL     string
 	NATS        NATSAuth
 	// NatsListen and NatsStoreDir configure the embedded server (--nats-url=embedded).
@@ -92,6 +94,7 @@ func (f *RunFlags) Config() (Config, error) {
 		InboxPrefix: n.InboxPrefix, Name: connectionName(f.Slot)}}
 	f.checkNATS(n, p.bad)
 	f.checkServers(p.bad)
+	c.StandbyURLs = standbyURLs(f.StandbyURLs, p.bad)
 	if f.NatsURL == "embedded" {
 		c.NatsListen, c.NatsStoreDir = f.NatsListen, f.NatsStoreDir
 	}

@@ -16,15 +16,17 @@ import (
 // the writers and the test's own connections use a multi-host URL with
 // target_session_attrs=read-write: whichever server is the primary.
 //
+// standby are extra settings of the standby.
+//
 // The oracle slot is made before the standby's copy, so the standby holds
 // its own copy (a failover slot that never advances would stay temporary on
 // the standby, not synchronised): after a promotion it decodes the promoted
 // server's WAL from the start, the old timeline then the new one.
-func haFixture(t *testing.T) (*fixture, *oracle, *testenv.Postgres, int) {
+func haFixture(t *testing.T, standby ...string) (*fixture, *oracle, *testenv.Postgres, int) {
 	f := newFixture(t)
 	major := f.pg.Major(t)
 	o := f.newOracle()
-	sb := testenv.StartStandby(t, f.pg)
+	sb := testenv.StartStandby(t, f.pg, standby...)
 	url := fmt.Sprintf("postgres://postgres@127.0.0.1:%d,127.0.0.1:%d/postgres?sslmode=disable&target_session_attrs=read-write", f.pg.Port(), sb.Port())
 	f.pg.DSN, f.pgURL = url, url
 	f.env = append(f.env, "JETBOX_POSTGRES_TIMEOUT=10s", "JETBOX_STATUS_INTERVAL=500ms")

@@ -26,6 +26,7 @@ type opsServer struct {
 	streamer atomic.Pointer[replication.Streamer]
 	nats     atomic.Pointer[sink.Publisher] // /healthz fails once its connection is CLOSED
 	audit    atomic.Pointer[auditLoop]      // the continuous audit's warning, if on
+	slots    atomic.Pointer[slotWatch]      // the standbys' copies of the slot (--standby-urls)
 
 	scrapeMu sync.Mutex
 	scraped  chan struct{} // closed by the next /metrics response (awaitScrape)
@@ -114,6 +115,7 @@ func (o *opsServer) ready(w http.ResponseWriter, req *http.Request) {
 		if w := o.audit.Load().Warning(); w != "" {
 			r.Warnings = append(r.Warnings, w)
 		}
+		r.Warnings = append(r.Warnings, o.slots.Load().Warnings()...)
 	}
 	w.Header().Set("Content-Type", "application/json")
 	if !r.Ready {

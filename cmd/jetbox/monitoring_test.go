@@ -45,7 +45,7 @@ func exportedSeries(t *testing.T) series {
 	desc := regexp.MustCompile(`^Desc\{fqName: "([^"]+)".*variableLabels: \{([^}]*)\}\}$`)
 	var collectors []prometheus.Collector
 	for _, c := range []prometheus.Collector{m.Published, m.Duplicates, m.PublishErrors, m.Retries, m.InFlight, m.ConfirmedLSN,
-		m.ServerLSN, m.LagBytes, m.RetainedWAL, m.RetainedOver, m.Latency, m.Transactions, m.Reconnects, m.Heartbeats, m.State, m.InvalidRows} {
+		m.ServerLSN, m.LagBytes, m.RetainedWAL, m.RetainedOver, m.Latency, m.Transactions, m.Reconnects, m.Heartbeats, m.State, m.InvalidRows, m.FailoverSlotReady} {
 		collectors = append(collectors, c)
 	}
 	ch := make(chan *prometheus.Desc, 1024)
@@ -468,6 +468,14 @@ var alertScenarios = []struct {
 		jetbox_audit_complete_until_timestamp_seconds{job="jetbox", instance="a"} -20000x30
 		jetbox_audit_complete_until_timestamp_seconds{job="jetbox", instance="b"} 0x30
 	`, []string{"JetboxAuditStalled"}},
+	{"a standby holds no persisted copy of the slot", `
+		up{job="jetbox", instance="a"} 1x30
+		up{job="jetbox", instance="b"} 1x30
+		STATE a streaming
+		STATE b standby
+		jetbox_failover_slot_ready{job="jetbox", instance="a", standby="pg-1:5432"} 1x30
+		jetbox_failover_slot_ready{job="jetbox", instance="a", standby="pg-2:5432"} 0x30
+	`, []string{"JetboxFailoverSlotNotReady"}},
 	{"flapping NATS connection", `
 		up{job="jetbox", instance="a"} 1x30
 		STATE a streaming

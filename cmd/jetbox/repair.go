@@ -220,6 +220,7 @@ func (r *repairer) run(ctx context.Context) (int, error) {
 	if err := rep.Finish(fctx); err != nil {
 		return exitFailure, err
 	}
+	syncStandbys(fctx, cfg, r.log) // slotsync.go: the new slot's window on the standbys
 	elapsed := time.Since(st.started)
 	rate := float64(st.Published.Load()+st.Skipped.Load()) / elapsed.Seconds()
 	r.log.Info().Int64("published", st.Published.Load()).Int64("skipped", st.Skipped.Load()).Stringer("elapsed", elapsed).

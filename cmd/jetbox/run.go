@@ -110,15 +110,23 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 		audits = newAuditLoop(cfg, streamer.Ready, log)
 		log.Info().Stringer("interval", cfg.Audit.Interval).Stringer("grace", cfg.Audit.Grace).Msg("auditing the stream against the table continuously while streaming")
 	}
+	var slots *slotWatch
+	if len(cfg.StandbyURLs) > 0 {
+		slots = newSlotWatch(cfg, streamer.Ready, func() bool {
+			st := streamer.State()
+			return st == replication.StateStandby || st == replication.StateStopped
+		}, log)
+	}
 	if ops != nil {
 		ops.streamer.Store(streamer)
 		ops.nats.Store(pub)
 		ops.audit.Store(audits)
+		ops.slots.Store(slots)
 	}
 	if !cfg.Sink.Delivery.Guarded() {
 		log.Warn().Msg("--order-guard=false: after a lost publish, later events may be stored before it is republished (out of commit order)")
 	}
-	err = streamAndAudit(ctx, streamer, pub, audits)
+	err = streamAndAudit(ctx, streamer, pub, audits, slots)
 	return runExit(ctx, err, cfg, pub, streamer, ops, log, stderr)
 }
 
@@ -406,11 +414,12 @@ func limitDecoder(ctx context.Context, cfg *Config, pub *sink.Publisher, log zer
 }
 
 // streamAndAudit streams until ctx ends or the streamer stops, with the
-// continuous audit (audits, nil: none) beside it. A CLOSED NATS connection
+// continuous audit (audits, nil: none) and the watch of the standbys' slot
+// copies (slots, nil: none) beside it. A CLOSED NATS connection
 // never comes back (nats.go does not reconnect from it, whatever
 // MaxReconnects): it stops the streamer, whether or not a publish is in
 // flight to fail on it, with the connection's error.
-func streamAndAudit(ctx context.Context, streamer *replication.Streamer, pub *sink.Publisher, audits *auditLoop) error {
+func streamAndAudit(ctx context.Context, streamer *replication.Streamer, pub *sink.Publisher, audits *auditLoop, slots *slotWatch) error {
 	rctx, stop := context.WithCancelCause(ctx)
 	defer stop(nil)
 	go func() {
@@ -427,9 +436,17 @@ func streamAndAudit(ctx context.Context, streamer *replication.Streamer, pub *si
 			audits.run(rctx)
 		}
 	}()
+	slotsDone := make(chan struct{})
+	go func() {
+		defer close(slotsDone)
+		if slots != nil {
+			slots.run(rctx)
+		}
+	}()
 	err := streamer.Run(rctx)
 	stop(nil)
 	<-auditDone
+	<-slotsDone
 	if errors.Is(context.Cause(rctx), errNATSClosed) && (err == nil || errors.Is(err, context.Canceled)) {
 		err = pub.ClosedError()
 	}

@@ -54,6 +54,10 @@ type Metrics struct {
 	AuditCompleteUntil prometheus.Gauge
 	// AuditRuns counts continuous audits per result (Audit*).
 	AuditRuns *prometheus.CounterVec
+	// FailoverSlotReady is 1 per standby (--standby-urls) holding a
+	// synchronised, persisted copy of the slot, 0 otherwise; exported by the
+	// instance that streams only.
+	FailoverSlotReady *prometheus.GaugeVec
 	// BuildInfo is jetbox_build_info{version,revision,goversion} 1 (SetBuild).
 	BuildInfo *prometheus.GaugeVec
 
@@ -117,6 +121,8 @@ func New() *Metrics {
 			Help: "The commit time up to which the continuous audit proved the stream complete (the start of its first window before one is); 0 while this instance does not audit (a standby, or --audit-interval=0)."}),
 		AuditRuns: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "jetbox_audit_runs_total",
 			Help: "Continuous audits per result: complete, found (missing, duplicated or out of order), undecided (the window cannot be judged), error."}, []string{"result"}),
+		FailoverSlotReady: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "jetbox_failover_slot_ready",
+			Help: "1 while the standby (--standby-urls) holds a synchronised, persisted copy of the slot (a promotion of it keeps the slot); 0 while the copy is missing or temporary, or the standby is unreachable. Exported by the instance that streams."}, []string{"standby"}),
 		BuildInfo: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "jetbox_build_info",
 			Help: "Always 1: the version and VCS revision jetbox was built from, and the Go version."}, []string{"version", "revision", "goversion"}),
 	}
@@ -126,7 +132,7 @@ func New() *Metrics {
 	r.MustRegister(m.Published, m.Duplicates, m.PublishErrors, m.Retries, m.InFlight, m.ConfirmedLSN, m.ServerLSN,
 		m.LagBytes, m.RetainedWAL, m.RetainedOver, m.Latency, m.Transactions, m.Reconnects, m.Heartbeats, m.State, m.InvalidRows, m.SpansDropped, m.IgnoredMessages,
 		m.AuditMissing, m.AuditDuplicates, m.AuditOutOfOrder, m.AuditCompleteUntil, m.AuditRuns,
-		m.BuildInfo, sinceAck, collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+		m.FailoverSlotReady, m.BuildInfo, sinceAck, collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.Reconnects.WithLabelValues("postgres")
 	m.Reconnects.WithLabelValues("nats")
 	m.SpansDropped.WithLabelValues("queue_full")

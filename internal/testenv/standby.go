@@ -54,7 +54,8 @@ func (p *Postgres) Snapshot(t testing.TB) (restore func()) {
 // and primary_slot_name. On PostgreSQL 17+ the standby synchronises failover
 // slots (sync_replication_slots, hot_standby_feedback) and primary waits for
 // it before logical walsenders send changes (synchronized_standby_slots).
-func StartStandby(t testing.TB, primary *Postgres) *Postgres {
+// Extra "name=value" settings of the standby come last (they override).
+func StartStandby(t testing.TB, primary *Postgres, extra ...string) *Postgres {
 	t.Helper()
 	major := primary.Major(t)
 	primary.Exec(t, "SELECT pg_create_physical_replication_slot('standby1', true)")
@@ -72,6 +73,7 @@ func StartStandby(t testing.TB, primary *Postgres) *Postgres {
 		// promoted standby must not wait for a standby of its own.
 		settings = append(settings, "sync_replication_slots=on", "synchronized_standby_slots=")
 	}
+	settings = append(settings, extra...)
 	bin, err := pgcluster.FindBinDir()
 	if err != nil {
 		t.Fatal(err)

@@ -99,6 +99,10 @@ groups:
   "expr" (printf "time() - max by (namespace, job) (jetbox_audit_complete_until_timestamp_seconds{%s} != 0) > %v" $sel $x.seconds)
   "summary" "the continuous audit of {{ $labels.job }} has proven the stream complete only up to {{ $value | humanizeDuration }} ago"
   "description" "jetbox_audit_complete_until_timestamp_seconds stopped advancing: audits find rows missing (JetboxAuditGap), cannot judge their window (undecided: see /readyz and the log), fail (jetbox_audit_runs_total{result=\"error\"}), or no longer run.") }}
+{{- $rules = append $rules (dict "name" "JetboxFailoverSlotNotReady" "rule" $r.JetboxFailoverSlotNotReady
+  "expr" (printf "max by (namespace, job, standby) (jetbox_failover_slot_ready{%s}) == 0" $sel)
+  "summary" "standby {{ $labels.standby }} holds no persisted copy of jetbox's slot: a promotion of it now loses the slot"
+  "description" "jetbox_failover_slot_ready (--standby-urls, PostgreSQL 17+) is 0: the standby's synchronised copy is missing or still temporary (PostgreSQL drops a temporary copy at promotion), or jetbox cannot read it there. A promotion meanwhile makes jetbox stop with the lost-slot error until jetbox repair. See /readyz and jetbox check.") }}
 {{- $db := $p.database }}
 {{- if $db.source }}
 {{- $slot := $db.slot | default (index .Values.config "slot") | default "jetbox" }}
