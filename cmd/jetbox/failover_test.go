@@ -25,6 +25,9 @@ import (
 func haFixture(t *testing.T, standby ...string) (*fixture, *oracle, *testenv.Postgres, int) {
 	f := newFixture(t)
 	major := f.pg.Major(t)
+	if len(standby) > 0 && major < 17 {
+		t.Skipf("PostgreSQL %d: the standby settings %v need 17+: run with JETBOX_PG_BINDIR=$(.ci/fetch-postgres 17)", major, standby)
+	}
 	o := f.newOracle()
 	sb := testenv.StartStandby(t, f.pg, standby...)
 	url := fmt.Sprintf("postgres://postgres@127.0.0.1:%d,127.0.0.1:%d/postgres?sslmode=disable&target_session_attrs=read-write", f.pg.Port(), sb.Port())
