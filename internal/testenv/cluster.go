@@ -1,6 +1,7 @@
 package testenv
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net/url"
@@ -185,11 +186,25 @@ func (c *Cluster) StreamLeader(stream string) *ClusterNode {
 	return leader
 }
 
-// WaitStreamCurrent waits until the stream has a leader and every running
-// node's replica of it is current (caught up with the leader).
+// WaitStreamCurrent waits until the stream has a leader, every running
+// node's replica of it is current (caught up with the leader), and every
+// running node knows the leader's interest in the stream's subjects. The
+// interest crosses the routes after the election: a publish to another node
+// before it arrives gets no responders ("nats: no response from stream").
 func (c *Cluster) WaitStreamCurrent(stream string) {
 	c.t.Helper()
-	c.StreamLeader(stream)
+	leader := c.StreamLeader(stream)
+	subjects := c.streamSubjects(leader, stream)
+	WaitFor(c.t, time.Minute, func() error {
+		for _, n := range c.Nodes {
+			for _, subj := range subjects {
+				if n.srv != nil && !n.srv.GlobalAccount().SubscriptionInterest(subj) {
+					return fmt.Errorf("%s has no interest in %s yet (stream %s)", n.Name, subj, stream)
+				}
+			}
+		}
+		return nil
+	})
 	WaitFor(c.t, time.Minute, func() error {
 		for _, n := range c.Nodes {
 			if n.srv != nil && !n.srv.JetStreamIsStreamCurrent(server.DEFAULT_GLOBAL_ACCOUNT, stream) {
@@ -221,4 +236,36 @@ func (c *Cluster) Restart(n *ClusterNode) {
 	}
 	c.start(n)
 	c.WaitReady()
+}
+
+// streamSubjects returns one literal subject for each of the stream's subject
+// filters (wildcard tokens replaced by "x"), read from the leader.
+func (c *Cluster) streamSubjects(leader *ClusterNode, stream string) []string {
+	c.t.Helper()
+	nc, err := nats.Connect(leader.URL, nats.IgnoreDiscoveredServers())
+	if err != nil {
+		c.t.Fatalf("connect to %s: %v", leader.Name, err)
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		c.t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	s, err := js.Stream(ctx, stream)
+	if err != nil {
+		c.t.Fatalf("look up stream %s on %s: %v", stream, leader.Name, err)
+	}
+	var subjects []string
+	for _, filter := range s.CachedInfo().Config.Subjects {
+		tokens := strings.Split(filter, ".")
+		for i, tok := range tokens {
+			if tok == "*" || tok == ">" {
+				tokens[i] = "x"
+			}
+		}
+		subjects = append(subjects, strings.Join(tokens, "."))
+	}
+	return subjects
 }
