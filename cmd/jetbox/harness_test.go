@@ -241,8 +241,15 @@ func (p *proc) wait(timeout time.Duration) int {
 }
 
 // peakRSS returns the process's peak resident set (VmHWM) in bytes.
-func (p *proc) peakRSS() int64 {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", p.cmd.Process.Pid))
+func (p *proc) peakRSS() int64 { return vmHWM(p.cmd.Process.Pid) }
+
+// vmHWM returns a running process's peak resident set (VmHWM) in bytes, -1
+// when it cannot be read (the process is gone). It is the peak of the
+// process's own memory since its exec. The rusage of a waited child is not:
+// Linux carries into it the peak of the memory the child shared with its
+// parent before the exec, and Go's exec shares the whole test process's.
+func vmHWM(pid int) int64 {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
 	if err != nil {
 		return -1
 	}

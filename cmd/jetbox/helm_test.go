@@ -333,8 +333,8 @@ func checkChart(t *testing.T, v chartVariant, docs []map[string]any, flagEnv map
 		t.Errorf("%s selector %v does not select its pods %v", v.kind, w.Spec.Selector.MatchLabels, podLabels)
 	}
 	if v.kind == "Deployment" && v.replicas > 1 {
-		if ru := w.Spec.Strategy.RollingUpdate; w.Spec.Strategy.Type != "RollingUpdate" || ru["maxUnavailable"] != 1 || ru["maxSurge"] != 0 {
-			t.Errorf("strategy %+v, want a rolling update one instance at a time", w.Spec.Strategy)
+		if ru := w.Spec.Strategy.RollingUpdate; w.Spec.Strategy.Type != "RollingUpdate" || ru["maxUnavailable"] != 0 || ru["maxSurge"] != "100%" {
+			t.Errorf("strategy %+v, want a rolling update whose new pods stand by before the old ones stop (one takeover)", w.Spec.Strategy)
 		}
 	}
 	pod := w.Spec.Template.Spec
