@@ -336,13 +336,13 @@ func TestAtomicBigTransaction(t *testing.T) {
 func TestAtomicConfigAndSetup(t *testing.T) {
 	var out, errOut bytes.Buffer
 	if code := realMain([]string{"run", "--postgres-url=postgres://x@127.0.0.1/db", "--delivery=dedup", "--atomic-transactions=true"}, &out, &errOut); code != exitConfig ||
-		!strings.Contains(errOut.String(), "--atomic-transactions (JETBOX_ATOMIC_TRANSACTIONS)") || !strings.Contains(errOut.String(), "needs --delivery=exactly-once") {
-		t.Fatalf("without exactly-once: exit %d:\n%s", code, errOut.String())
+		!strings.Contains(plainLog(errOut.String()), "--atomic-transactions (JETBOX_ATOMIC_TRANSACTIONS)") || !strings.Contains(plainLog(errOut.String()), "needs --delivery=exactly-once") {
+		t.Fatalf("without exactly-once: exit %d:\n%s", code, plainLog(errOut.String()))
 	}
 	errOut.Reset()
 	if code := realMain([]string{"run", "--postgres-url=postgres://x@127.0.0.1/db", "--atomic-transactions=maybe"}, &out, &errOut); code != exitConfig ||
-		!strings.Contains(errOut.String(), "not a boolean") {
-		t.Fatalf("not a boolean: exit %d:\n%s", code, errOut.String())
+		!strings.Contains(plainLog(errOut.String()), "not a boolean") {
+		t.Fatalf("not a boolean: exit %d:\n%s", code, plainLog(errOut.String()))
 	}
 
 	f := newFixture(t)

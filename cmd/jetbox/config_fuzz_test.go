@@ -69,7 +69,7 @@ func FuzzConfig(f *testing.F) {
 			if !errors.As(err, &joined) {
 				t.Fatalf("not a list of problems: %v", err)
 			}
-			printed := stderr.String()
+			printed := plainLog(stderr.String())
 			for _, e := range joined.Unwrap() {
 				var ce *ConfigError
 				if !errors.As(e, &ce) || ce.Flag == "" || ce.Hint == "" {

@@ -24,8 +24,8 @@ func TestConfigProblemsReportedTogether(t *testing.T) {
 	}
 	for _, want := range []string{"--postgres-url (JETBOX_POSTGRES_URL): required", "--nats-url", "--table", "--slot", "--stream",
 		"--subject-prefix", "--max-in-flight", "--publish-timeout", "--payload-column", "--order-guard", "--log-format", "--on-invalid", "fix:"} {
-		if !strings.Contains(errOut.String(), want) {
-			t.Errorf("output lacks %q:\n%s", want, errOut.String())
+		if !strings.Contains(plainLog(errOut.String()), want) {
+			t.Errorf("output lacks %q:\n%s", want, plainLog(errOut.String()))
 		}
 	}
 	// Conflicting options, each named with its fix.
@@ -33,14 +33,14 @@ func TestConfigProblemsReportedTogether(t *testing.T) {
 	code = realMain([]string{"run", "--postgres-url=postgres://x@127.0.0.1/db", "--order-guard=false",
 		"--dead-letter-subject=outbox._dlq"}, &out, &errOut)
 	for _, want := range []string{"conflicts with --delivery=exactly-once (the default)", "add --delivery=dedup", "set while --on-invalid=stop"} {
-		if code != exitConfig || !strings.Contains(errOut.String(), want) {
-			t.Errorf("exit %d, output lacks %q:\n%s", code, want, errOut.String())
+		if code != exitConfig || !strings.Contains(plainLog(errOut.String()), want) {
+			t.Errorf("exit %d, output lacks %q:\n%s", code, want, plainLog(errOut.String()))
 		}
 	}
 	errOut.Reset()
 	code = realMain([]string{"run", "--postgres-url=postgres://x@127.0.0.1/db", "--on-invalid=dead-letter", "--dead-letter-subject=outbox.order"}, &out, &errOut)
-	if code != exitConfig || !strings.Contains(errOut.String(), "collide with aggregate type order") {
-		t.Errorf("dead-letter subject among the event subjects: exit %d:\n%s", code, errOut.String())
+	if code != exitConfig || !strings.Contains(plainLog(errOut.String()), "collide with aggregate type order") {
+		t.Errorf("dead-letter subject among the event subjects: exit %d:\n%s", code, plainLog(errOut.String()))
 	}
 	if code := realMain([]string{"run", "--no-such-flag"}, &out, &errOut); code != exitConfig {
 		t.Fatalf("unknown flag: exit %d", code)
@@ -48,8 +48,8 @@ func TestConfigProblemsReportedTogether(t *testing.T) {
 	t.Setenv("JETBOX_STATUS_INTERVAL", "forever")
 	errOut.Reset()
 	if code := realMain([]string{"run", "--postgres-url=postgres://x@127.0.0.1/db"}, &out, &errOut); code != exitConfig ||
-		!strings.Contains(errOut.String(), "JETBOX_STATUS_INTERVAL") {
-		t.Fatalf("env var not validated: %d %s", code, errOut.String())
+		!strings.Contains(plainLog(errOut.String()), "JETBOX_STATUS_INTERVAL") {
+		t.Fatalf("env var not validated: %d %s", code, plainLog(errOut.String()))
 	}
 }
 

@@ -189,7 +189,27 @@ func (p *proc) tail(n int) string {
 	return string(b)
 }
 
-func (p *proc) logText() string { b, _ := os.ReadFile(p.log); return string(b) }
+func (p *proc) logText() string { b, _ := os.ReadFile(p.log); return withProblemTexts(string(b)) }
+
+// withProblemTexts returns jetbox's output with the problems it printed as
+// JSON log lines (printRunProblems) listed again as text at the end, so a
+// test finds a problem's text whatever the log format.
+func withProblemTexts(s string) string {
+	var texts []string
+	for _, l := range strings.Split(s, "\n") {
+		var m struct {
+			Message string `json:"message"`
+			Problem int    `json:"problem"`
+		}
+		if strings.HasPrefix(l, "{") && json.Unmarshal([]byte(l), &m) == nil && m.Problem > 0 {
+			texts = append(texts, "  - "+m.Message)
+		}
+	}
+	if len(texts) == 0 {
+		return s
+	}
+	return s + "\n" + strings.Join(texts, "\n") + "\n"
+}
 
 // dumpGoroutines makes a running jetbox print its goroutines to its log
 // (SIGQUIT) and waits for it to exit; for post-mortems of failed tests.

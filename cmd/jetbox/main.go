@@ -13,6 +13,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"github.com/rs/zerolog"
 	"io"
 	"os"
 	"os/signal"
@@ -138,24 +139,44 @@ func parseCommand(parser *kong.Kong, exitCode *int, args []string, stderr io.Wri
 func runConfig(f *RunFlags, stderr io.Writer) (Config, int) {
 	cfg, err := f.Config()
 	if err != nil {
-		printProblems(stderr, "configuration", err)
+		// The log format asked for, unless it is itself a problem.
+		printRunProblems(stderr, f.LogFormat == "json", "configuration", err)
 		return Config{}, exitConfig
 	}
 	return cfg, exitOK
 }
 
+// problemList returns the joined errors of err, or err alone.
+func problemList(err error) []error {
+	if j, ok := err.(interface{ Unwrap() []error }); ok {
+		return j.Unwrap()
+	}
+	return []error{err}
+}
+
 // printProblems prints each joined error on its own line.
 func printProblems(w io.Writer, what string, err error) {
-	var list []error
-	if j, ok := err.(interface{ Unwrap() []error }); ok {
-		list = j.Unwrap()
-	} else {
-		list = []error{err}
-	}
+	list := problemList(err)
 	fmt.Fprintf(w, "jetbox: %d %s problem(s):\n", len(list), what)
 	for _, e := range list {
 		fmt.Fprintf(w, "  - %v\n", e)
 	}
+}
+
+// printRunProblems prints the problems that stop jetbox run in its log
+// format: with json one JSON log line per problem and a summary line, so a
+// log pipeline reads them like the rest of the log; else as printProblems.
+func printRunProblems(w io.Writer, json bool, what string, err error) {
+	if !json {
+		printProblems(w, what, err)
+		return
+	}
+	log := zerolog.New(w).Hook(logTime{}).With().Str("service", "jetbox").Str("kind", what).Logger()
+	list := problemList(err)
+	for i, e := range list {
+		log.Error().Int("problem", i+1).Int("of", len(list)).Msg(e.Error())
+	}
+	log.Error().Int("problems", len(list)).Msgf("jetbox: %d %s problem(s); nothing started", len(list), what)
 }
 
 // signalContext is cancelled by the first SIGINT or SIGTERM; a second one

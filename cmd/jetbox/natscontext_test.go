@@ -184,19 +184,19 @@ func TestNATSContext(t *testing.T) {
 	var out, errOut bytes.Buffer
 	args := []string{"check", "--postgres-url=" + f.pg.DSN, "--nats-context=prod", "--duplicate-window=30m"}
 	if code := realMain(args, &out, &errOut); code != exitOK {
-		t.Fatalf("check with the context: exit %d:\n%s%s", code, out.String(), errOut.String())
+		t.Fatalf("check with the context: exit %d:\n%s%s", code, out.String(), plainLog(errOut.String()))
 	}
 	out.Reset()
 	errOut.Reset()
 	if code := realMain(append(args, "--nats-password=wrong-pa55"), &out, &errOut); code != exitConfig ||
-		!strings.Contains(strings.ToLower(out.String()+errOut.String()), "authorization") {
-		t.Fatalf("check with the context and a wrong --nats-password: exit %d, want %d and an authorization error:\n%s%s", code, exitConfig, out.String(), errOut.String())
+		!strings.Contains(strings.ToLower(out.String()+plainLog(errOut.String())), "authorization") {
+		t.Fatalf("check with the context and a wrong --nats-password: exit %d, want %d and an authorization error:\n%s%s", code, exitConfig, out.String(), plainLog(errOut.String()))
 	}
 	out.Reset()
 	errOut.Reset()
 	if code := realMain(append(args, "--nats-token=tok"), &out, &errOut); code != exitConfig ||
-		!strings.Contains(errOut.String(), "--nats-token (JETBOX_NATS_TOKEN): a token credential, while --nats-context prod authenticates with user/password") {
-		t.Fatalf("check with the context and --nats-token: exit %d, want %d and the conflict:\n%s%s", code, exitConfig, out.String(), errOut.String())
+		!strings.Contains(plainLog(errOut.String()), "--nats-token (JETBOX_NATS_TOKEN): a token credential, while --nats-context prod authenticates with user/password") {
+		t.Fatalf("check with the context and --nats-token: exit %d, want %d and the conflict:\n%s%s", code, exitConfig, out.String(), plainLog(errOut.String()))
 	}
 
 	// run: the context's URL applies where JETBOX_NATS_URL is empty.

@@ -28,12 +28,12 @@ func TestPartitionedOutboxUserPublication(t *testing.T) {
 	text := out.String()
 	if code != exitConfig || !strings.Contains(text, "without publish_via_partition_root") ||
 		!strings.Contains(text, `ALTER PUBLICATION "jetbox" SET (publish_via_partition_root = true)`) || strings.Contains(text, "ADD TABLE") {
-		t.Fatalf("exit %d:\n%s%s", code, text, errOut.String())
+		t.Fatalf("exit %d:\n%s%s", code, text, plainLog(errOut.String()))
 	}
 	f.pg.Exec(t, "ALTER PUBLICATION jetbox SET (publish_via_partition_root = true)")
 	out.Reset()
 	if code := realMain(args, &out, &errOut); code != exitOK || !strings.Contains(out.String(), `publishes inserts of public.outbox`) {
-		t.Fatalf("after the fix: exit %d:\n%s%s", code, out.String(), errOut.String())
+		t.Fatalf("after the fix: exit %d:\n%s%s", code, out.String(), plainLog(errOut.String()))
 	}
 }
 

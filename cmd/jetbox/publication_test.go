@@ -24,7 +24,7 @@ func (f *fixture) check(extra ...string) (int, string) {
 	var out, errOut bytes.Buffer
 	args := append([]string{"check", "--postgres-url=" + f.pg.DSN, "--nats-url=" + f.nats.URL}, extra...)
 	code := realMain(args, &out, &errOut)
-	return code, out.String() + errOut.String()
+	return code, out.String() + plainLog(errOut.String())
 }
 
 func wantAll(t testing.TB, what, text string, want ...string) {

@@ -43,21 +43,21 @@ func TestRoutingConfig(t *testing.T) {
 	code := realMain([]string{"run", "--postgres-url=postgres://x@127.0.0.1/db", "--source=table,rows", "--message-prefix=jetbox-heartbeat",
 		"--subject-template={prefix}.{aggregate_type}.{aggregateid}"}, &out, &errOut)
 	for _, want := range []string{`--source (JETBOX_SOURCE) = "table,rows": unknown source "rows"`, "--subject-template (JETBOX_SUBJECT_TEMPLATE)", "unknown placeholder {aggregateid}"} {
-		if code != exitConfig || !strings.Contains(errOut.String(), want) {
-			t.Errorf("exit %d, output lacks %q:\n%s", code, want, errOut.String())
+		if code != exitConfig || !strings.Contains(plainLog(errOut.String()), want) {
+			t.Errorf("exit %d, output lacks %q:\n%s", code, want, plainLog(errOut.String()))
 		}
 	}
 	errOut.Reset()
 	code = realMain([]string{"run", "--postgres-url=postgres://x@127.0.0.1/db", "--source=messages", "--message-prefix=jetbox-heartbeat", "--partitions=4"}, &out, &errOut)
 	for _, want := range []string{"--message-prefix (JETBOX_MESSAGE_PREFIX)", "heartbeats", "--partitions (JETBOX_PARTITIONS)", "has no {partition} token"} {
-		if code != exitConfig || !strings.Contains(errOut.String(), want) {
-			t.Errorf("exit %d, output lacks %q:\n%s", code, want, errOut.String())
+		if code != exitConfig || !strings.Contains(plainLog(errOut.String()), want) {
+			t.Errorf("exit %d, output lacks %q:\n%s", code, want, plainLog(errOut.String()))
 		}
 	}
 	errOut.Reset()
 	code = realMain([]string{"run", "--postgres-url=postgres://x@127.0.0.1/db", "--subject-template={prefix}.{partition}"}, &out, &errOut)
-	if code != exitConfig || !strings.Contains(errOut.String(), "number of partitions is 0") {
-		t.Errorf("{partition} without --partitions: exit %d:\n%s", code, errOut.String())
+	if code != exitConfig || !strings.Contains(plainLog(errOut.String()), "number of partitions is 0") {
+		t.Errorf("{partition} without --partitions: exit %d:\n%s", code, plainLog(errOut.String()))
 	}
 }
 
@@ -70,8 +70,8 @@ func TestMessagePrefixValidated(t *testing.T) {
 		var out, errOut bytes.Buffer
 		code := realMain([]string{"run", "--postgres-url=postgres://x@127.0.0.1/db", "--source=messages", "--message-prefix=" + p, "--max-in-flight=0"}, &out, &errOut)
 		for _, want := range []string{"--message-prefix (JETBOX_MESSAGE_PREFIX)", "fix: use the prefix your producers pass", "--max-in-flight (JETBOX_MAX_IN_FLIGHT)"} {
-			if code != exitConfig || !strings.Contains(errOut.String(), want) {
-				t.Errorf("prefix %q: exit %d, output lacks %q:\n%s", p, code, want, errOut.String())
+			if code != exitConfig || !strings.Contains(plainLog(errOut.String()), want) {
+				t.Errorf("prefix %q: exit %d, output lacks %q:\n%s", p, code, want, plainLog(errOut.String()))
 			}
 		}
 	}
@@ -129,12 +129,12 @@ func TestTemplateAndPartitionProblemsTogether(t *testing.T) {
 		var out, errOut bytes.Buffer
 		code := realMain(append([]string{"run", "--postgres-url=postgres://x@127.0.0.1/db"}, c.args...), &out, &errOut)
 		for _, want := range c.want {
-			if code != exitConfig || !strings.Contains(errOut.String(), want) {
-				t.Errorf("%v: exit %d, output lacks %q:\n%s", c.args, code, want, errOut.String())
+			if code != exitConfig || !strings.Contains(plainLog(errOut.String()), want) {
+				t.Errorf("%v: exit %d, output lacks %q:\n%s", c.args, code, want, plainLog(errOut.String()))
 			}
 		}
-		if c.not != "" && strings.Contains(errOut.String(), c.not) {
-			t.Errorf("%v: blames %s:\n%s", c.args, c.not, errOut.String())
+		if c.not != "" && strings.Contains(plainLog(errOut.String()), c.not) {
+			t.Errorf("%v: blames %s:\n%s", c.args, c.not, plainLog(errOut.String()))
 		}
 	}
 }

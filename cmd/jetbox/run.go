@@ -59,7 +59,7 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 	defer ops.close()
 	tp, prop, stopTracing, err := startTracing(ctx, cfg.Metrics, log) // tracing.go
 	if err != nil {
-		printProblems(stderr, "tracing", err)
+		printRunProblems(stderr, !cfg.LogConsole, "tracing", err)
 		return exitConfig
 	}
 	defer stopTracing() // after the last ack: exports the last spans, bounded
@@ -90,7 +90,7 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 		if ctx.Err() != nil {
 			return exitOK
 		}
-		printProblems(stderr, "set-up", err)
+		printRunProblems(stderr, !cfg.LogConsole, "set-up", err)
 		log.Error().Err(err).Msg("set-up failed")
 		return exitConfig
 	}
@@ -465,7 +465,7 @@ func runExit(ctx context.Context, err error, cfg Config, pub *sink.Publisher, st
 	var se *replication.SettingsError
 	if errors.As(err, &se) {
 		log.Error().Err(err).Str("setting", se.Setting).Uint64("tip_seq", se.Tip.Seq).Str("tip_lsn", se.Tip.CommitLSN.String()).Msg("this run's settings break what the stream's last message was stored under")
-		printProblems(stderr, "configuration", err)
+		printRunProblems(stderr, !cfg.LogConsole, "configuration", err)
 		return exitConfig
 	}
 	st := pub.Stats()

@@ -99,7 +99,7 @@ func TestCheckCommand(t *testing.T) {
 	var out, errOut bytes.Buffer
 	args := []string{"check", "--postgres-url=" + f.pg.DSN, "--nats-url=" + f.nats.URL, "--max-outage=10m"}
 	if code := realMain(args, &out, &errOut); code != exitConfig {
-		t.Fatalf("exit %d:\n%s%s", code, out.String(), errOut.String())
+		t.Fatalf("exit %d:\n%s%s", code, out.String(), plainLog(errOut.String()))
 	}
 	text := out.String()
 	t.Logf("jetbox check output:\n%s", text)
@@ -195,7 +195,7 @@ func TestStatusCommand(t *testing.T) {
 	f.waitCount(3, 30*time.Second)
 	var out, errOut bytes.Buffer
 	if code := realMain([]string{"status", "--postgres-url=" + f.pg.DSN, "--nats-url=" + f.nats.URL}, &out, &errOut); code != exitOK {
-		t.Fatalf("exit %d:\n%s%s", code, out.String(), errOut.String())
+		t.Fatalf("exit %d:\n%s%s", code, out.String(), plainLog(errOut.String()))
 	}
 	for _, want := range []string{"slot         jetbox: active, walsender pid", "publication  jetbox: inserts true", "stream       OUTBOX: 3 messages", "duplicate window 30m0s"} {
 		if !strings.Contains(out.String(), want) {

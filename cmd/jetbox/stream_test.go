@@ -52,14 +52,14 @@ func TestStreamFlags(t *testing.T) {
 	}
 	for _, want := range []string{"--stream-replicas (JETBOX_STREAM_REPLICAS) = \"7\"", "shorter than --max-outage 10m0s", "--stream-max-bytes", "--stream-max-msgs",
 		"--stream-storage", "use file or memory", "--stream-discard", "use old or new", "longer than --stream-max-age 5m0s"} {
-		if !strings.Contains(errOut.String(), want) {
-			t.Errorf("output lacks %q:\n%s", want, errOut.String())
+		if !strings.Contains(plainLog(errOut.String()), want) {
+			t.Errorf("output lacks %q:\n%s", want, plainLog(errOut.String()))
 		}
 	}
 	t.Setenv("JETBOX_STREAM_REPLICAS", "0")
 	errOut.Reset()
-	if code := realMain([]string{"run", "--postgres-url=postgres://x@127.0.0.1/db"}, &out, &errOut); code != exitConfig || !strings.Contains(errOut.String(), "JETBOX_STREAM_REPLICAS") {
-		t.Errorf("env not validated: exit %d:\n%s", code, errOut.String())
+	if code := realMain([]string{"run", "--postgres-url=postgres://x@127.0.0.1/db"}, &out, &errOut); code != exitConfig || !strings.Contains(plainLog(errOut.String()), "JETBOX_STREAM_REPLICAS") {
+		t.Errorf("env not validated: exit %d:\n%s", code, plainLog(errOut.String()))
 	}
 }
 
@@ -73,7 +73,7 @@ func TestCheckStreamConfig(t *testing.T) {
 	args := []string{"check", "--postgres-url=" + f.pg.DSN, "--nats-url=" + f.nats.URL, "--stream-max-bytes=10GiB", "--stream-discard=new"}
 	var out, errOut bytes.Buffer
 	if code := realMain(args, &out, &errOut); code != exitOK {
-		t.Fatalf("exit %d:\n%s%s", code, out.String(), errOut.String())
+		t.Fatalf("exit %d:\n%s%s", code, out.String(), plainLog(errOut.String()))
 	}
 	for _, want := range []string{`stream "OUTBOX" is missing: jetbox run creates it with subjects ["outbox.>"], file storage, 1 replica(s), limits retention, max age unlimited, max bytes 10737418240, max messages unlimited, discard new, duplicate window 1m0s (replicas from a single server`,
 		"would have 1 replica(s)"} {
@@ -85,7 +85,7 @@ func TestCheckStreamConfig(t *testing.T) {
 	must(t, err)
 	out.Reset()
 	if code := realMain(args, &out, &errOut); code != exitOK {
-		t.Fatalf("exit %d:\n%s%s", code, out.String(), errOut.String())
+		t.Fatalf("exit %d:\n%s%s", code, out.String(), plainLog(errOut.String()))
 	}
 	const edit = "nats stream edit OUTBOX --max-bytes 10737418240 --discard new"
 	if !strings.Contains(out.String(), "--stream-max-bytes 10737418240, the stream has unlimited") || !strings.Contains(out.String(), edit) {
