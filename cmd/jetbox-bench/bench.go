@@ -42,7 +42,9 @@ type Report struct {
 	ProfiledExactly                 *throughput
 	ProfilePathExactly              string
 	ProfileErr                      error
-	Scale                           []scaleRun // --scale
+	Scale                           []scaleRun    // --scale
+	Compare                         []*compareRun // --baseline-bin, --status-intervals
+	CompareErr                      error
 	cfg                             Config
 }
 
@@ -170,6 +172,7 @@ func (b *bench) runAll(ctx context.Context, rep *Report) {
 			rep.ProfiledExactly, rep.ProfilePathExactly, rep.ProfileErr = b.profiledCatchup(ctx, "exactly-once")
 		}
 	})
+	step("compare", "compare", func() { rep.Compare, rep.CompareErr = b.compare(ctx) })
 	b.runScale(ctx, rep)
 }
 

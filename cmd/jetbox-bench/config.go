@@ -41,6 +41,12 @@ type Config struct {
 	ScaleTx       []int         // scale-tx: rows per transaction
 	ScaleBytes    int64         // scale-payload: payload bytes per point at most (fewer rows for large payloads)
 	Timeout       time.Duration // bound on each wait for a workload to finish
+	// The compare workload (compare.go).
+	BaselineBin     string          // a previous jetbox build run beside the current one
+	Reps            int             // interleaved repetitions of each set-up
+	CompareDelivery []string        // delivery modes compared
+	StatusIntervals []time.Duration // the current build at these --status-interval values
+	FloorConfirm    bool            // the floor client confirms what it received (flush = write), every second
 }
 
 // defaultConfig is the full-size run.
@@ -52,6 +58,7 @@ func defaultConfig() Config {
 		RelayBatch: 500, RelayPoll: 100 * time.Millisecond, Window: 1024, Timeout: 5 * time.Minute,
 		ScaleRows: []int{200_000, 2_000_000, 10_000_000}, ScalePayloads: []int{100, 1024, 16 << 10, 256 << 10},
 		ScaleTx: []int{1, 100, 10_000, 1_000_000}, ScaleBytes: 512 << 20,
+		Reps: 3, CompareDelivery: []string{"dedup"}, FloorConfirm: true,
 	}
 }
 
@@ -95,6 +102,13 @@ func parseFlags(args []string, stderr io.Writer) (Config, error) {
 	fs.StringVar(&scalePayloads, "scale-payloads", scalePayloads, "scale-payload: payload sizes (bytes)")
 	fs.StringVar(&scaleTx, "scale-tx", scaleTx, "scale-tx: rows per transaction (each point has max(--rows, this) rows)")
 	fs.Int64Var(&c.ScaleBytes, "scale-bytes", c.ScaleBytes, "scale-payload: payload bytes per point at most (min(--rows, this/size) rows)")
+	fs.StringVar(&c.BaselineBin, "baseline-bin", "", "a previous jetbox build to run beside the current one (workload compare: steady state at --rate for --steady, --reps interleaved repetitions each, the ratio current/baseline); alone it runs only compare")
+	fs.IntVar(&c.Reps, "reps", c.Reps, "compare: interleaved repetitions of each set-up")
+	compareDelivery := strings.Join(c.CompareDelivery, ",")
+	fs.StringVar(&compareDelivery, "compare-delivery", compareDelivery, "compare: delivery modes, comma-separated (dedup, exactly-once)")
+	statusIntervals := ""
+	fs.StringVar(&statusIntervals, "status-intervals", "", "compare: run the current build at each of these --status-interval values (comma-separated durations), compared with the first (or with the baseline); alone it runs only compare")
+	fs.BoolVar(&c.FloorConfirm, "floor-confirm", c.FloorConfirm, "the floor client confirms what it received every second (flush position = write position, as jetbox confirms); false: it reports its write position only")
 	only := ""
 	fs.StringVar(&only, "only", "", "run only these workloads, comma-separated, of: "+strings.Join(append(slices.Clone(workloads), scaleWorkloads...), ",")+" (recv needs dedup; default: all but the scale-* ones, which --scale adds)")
 	if err := fs.Parse(args); err != nil {
@@ -110,6 +124,21 @@ func parseFlags(args []string, stderr io.Writer) (Config, error) {
 		}
 	}
 	var errs []error
+	c.CompareDelivery = compactModes(compareDelivery)
+	for _, f := range strings.Split(statusIntervals, ",") {
+		if f = strings.TrimSpace(f); f == "" {
+			continue
+		}
+		d, err := time.ParseDuration(f)
+		if err != nil || d <= 0 {
+			errs = append(errs, fmt.Errorf("--status-intervals: %q is not a positive duration (e.g. 100ms,1s,10s)", f))
+			continue
+		}
+		c.StatusIntervals = append(c.StatusIntervals, d)
+	}
+	if len(c.Only) == 0 && (c.BaselineBin != "" || len(c.StatusIntervals) > 0) {
+		c.Only = []string{"compare"}
+	}
 	for _, l := range []struct {
 		flag string
 		s    string
@@ -157,6 +186,17 @@ func (c Config) validate() error {
 	if c.Steady < time.Second || c.Step < time.Second {
 		errs = append(errs, errors.New("--steady and --step must be at least 1s"))
 	}
+	if c.Reps < 1 {
+		errs = append(errs, errors.New("--reps must be at least 1"))
+	}
+	for _, m := range c.CompareDelivery {
+		if m != "dedup" && m != "exactly-once" {
+			errs = append(errs, fmt.Errorf("--compare-delivery: %q is not dedup or exactly-once", m))
+		}
+	}
+	if slices.Contains(c.Only, "compare") && c.BaselineBin == "" && len(c.StatusIntervals) == 0 {
+		errs = append(errs, errors.New("--only compare needs --baseline-bin or --status-intervals (what to compare)"))
+	}
 	for _, w := range c.Only {
 		if !slices.Contains(workloads, w) && !slices.Contains(scaleWorkloads, w) {
 			errs = append(errs, fmt.Errorf("--only: unknown workload %q (one of %s)", w, strings.Join(append(slices.Clone(workloads), scaleWorkloads...), ",")))
@@ -166,13 +206,15 @@ func (c Config) validate() error {
 }
 
 // workloads are the names --only takes, in the order they run.
-var workloads = []string{"dedup", "recv", "exactly-once", "relay", "raw", "fast-batch", "steady", "steady-exactly", "steady-atomic", "big-tx", "profile"}
+var workloads = []string{"dedup", "recv", "exactly-once", "relay", "raw", "fast-batch", "steady", "steady-exactly", "steady-atomic", "big-tx", "profile", "compare"}
 
 // runs reports whether workload w is to run.
 func (c Config) runs(w string) bool {
 	switch {
 	case w == "profile":
 		return c.Profile
+	case w == "compare":
+		return slices.Contains(c.Only, w)
 	case slices.Contains(scaleWorkloads, w):
 		return c.Scale || slices.Contains(c.Only, w)
 	}
@@ -200,4 +242,15 @@ func joinInts(v []int) string {
 		s[i] = strconv.Itoa(n)
 	}
 	return strings.Join(s, ",")
+}
+
+// compactModes splits a comma-separated list of delivery modes.
+func compactModes(s string) []string {
+	var out []string
+	for _, m := range strings.Split(s, ",") {
+		if m = strings.TrimSpace(m); m != "" && !slices.Contains(out, m) {
+			out = append(out, m)
+		}
+	}
+	return out
 }

@@ -21,9 +21,11 @@ import (
 // floor's, row by row, is what everything after the floor's walsender adds:
 // the forwarder's own walsender, the forwarder, NATS and the consumer.
 type floorClient struct {
-	conn   *pgconn.PgConn
-	cancel context.CancelFunc
-	done   chan struct{}
+	conn    *pgconn.PgConn
+	confirm bool          // confirm what was received (flush = write); else the flush position stays at start
+	start   pglogrepl.LSN // the slot's consistent point
+	cancel  context.CancelFunc
+	done    chan struct{}
 
 	mu     sync.Mutex
 	byID   map[string]time.Duration // outbox id → send → XLogData received, since the last take
@@ -47,10 +49,16 @@ func (b *bench) startFloor(ctx context.Context, db, publication string) (*floorC
 		return nil, fmt.Errorf("floor: connect to %s for replication: %w", db, err)
 	}
 	slot := "bench_floor_" + db // one per database: a closed one's may linger a moment
-	if _, err := pglogrepl.CreateReplicationSlot(ctx, conn, slot, "pgoutput",
-		pglogrepl.CreateReplicationSlotOptions{Temporary: true, SnapshotAction: "NOEXPORT_SNAPSHOT"}); err != nil {
+	created, err := pglogrepl.CreateReplicationSlot(ctx, conn, slot, "pgoutput",
+		pglogrepl.CreateReplicationSlotOptions{Temporary: true, SnapshotAction: "NOEXPORT_SNAPSHOT"})
+	if err != nil {
 		conn.Close(context.Background())
 		return nil, fmt.Errorf("floor: create temporary slot %q: %w", slot, err)
+	}
+	start, err := pglogrepl.ParseLSN(created.ConsistentPoint)
+	if err != nil {
+		conn.Close(context.Background())
+		return nil, fmt.Errorf("floor: slot %q: consistent point: %w", slot, err)
 	}
 	err = pglogrepl.StartReplication(ctx, conn, slot, 0, pglogrepl.StartReplicationOptions{
 		PluginArgs: []string{"proto_version '1'", fmt.Sprintf("publication_names '%s'", publication)}})
@@ -59,13 +67,16 @@ func (b *bench) startFloor(ctx context.Context, db, publication string) (*floorC
 		return nil, fmt.Errorf("floor: start replication on %q: %w", slot, err)
 	}
 	rctx, cancel := context.WithCancel(ctx)
-	f := &floorClient{conn: conn, cancel: cancel, done: make(chan struct{}), byID: map[string]time.Duration{}}
+	f := &floorClient{conn: conn, confirm: b.cfg.FloorConfirm, start: start, cancel: cancel, done: make(chan struct{}), byID: map[string]time.Duration{}}
 	go f.run(rctx)
 	return f, nil
 }
 
-// run receives until ctx ends or the stream fails, confirming what it got
-// every second so its slot keeps no WAL.
+// run receives until ctx ends or the stream fails, sending a status update
+// every second: with confirm, its write, flush and apply positions are what
+// it received (pglogrepl fills flush and apply from write), so its slot
+// keeps no WAL and its walsender saves the slot as jetbox's does; without,
+// the flush position stays at the slot's start.
 func (f *floorClient) run(ctx context.Context) {
 	defer close(f.done)
 	relations := map[uint32]floorRelation{}
@@ -73,7 +84,11 @@ func (f *floorClient) run(ctx context.Context) {
 	nextStatus := time.Now().Add(time.Second)
 	for {
 		if time.Now().After(nextStatus) {
-			if err := pglogrepl.SendStandbyStatusUpdate(ctx, f.conn, pglogrepl.StandbyStatusUpdate{WALWritePosition: received}); err != nil {
+			st := pglogrepl.StandbyStatusUpdate{WALWritePosition: received}
+			if !f.confirm {
+				st.WALFlushPosition, st.WALApplyPosition = f.start, f.start
+			}
+			if err := pglogrepl.SendStandbyStatusUpdate(ctx, f.conn, st); err != nil {
 				f.fail(ctx, fmt.Errorf("floor: status update: %w", err))
 				return
 			}

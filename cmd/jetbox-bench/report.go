@@ -28,7 +28,17 @@ func (r *Report) Failed() bool {
 			return true
 		}
 	}
-	return r.StartErr != nil || r.ProfileErr != nil
+	for _, c := range r.Compare {
+		if c.Check != nil {
+			return true
+		}
+		for _, l := range c.Reps {
+			if l.Err != nil {
+				return true
+			}
+		}
+	}
+	return r.StartErr != nil || r.ProfileErr != nil || r.CompareErr != nil
 }
 
 func (r *Report) throughputs() []*throughput {
@@ -69,13 +79,22 @@ func (r *Report) Print(w io.Writer) {
 		fmt.Fprintln(w, h+"  ")
 	}
 	fmt.Fprintln(w)
-	r.printThroughput(w)
-	fmt.Fprintln(w)
+	compareOnly := len(r.throughputs()) == 0 && len(r.latencies()) == 0 && (len(r.Compare) > 0 || r.CompareErr != nil)
+	if !compareOnly {
+		r.printThroughput(w)
+		fmt.Fprintln(w)
+	}
 	if len(r.latencies()) > 0 || len(r.Startups) > 0 || r.StartErr != nil {
 		r.printLatency(w)
 		fmt.Fprintln(w)
 	}
-	r.printComparisons(w)
+	if !compareOnly {
+		r.printComparisons(w)
+	}
+	if len(r.Compare) > 0 || r.CompareErr != nil {
+		fmt.Fprintln(w)
+		r.printCompare(w)
+	}
 	if len(r.Scale) > 0 {
 		fmt.Fprintln(w)
 		r.printScale(w)
