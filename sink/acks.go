@@ -31,6 +31,10 @@ type ackWatcher struct {
 	// ready: resolved events whose done waits for the watermark to cover
 	// them (it is stored first, see flush).
 	ready []readyAck
+	// lastStore: when flush last stored the watermark (dedup mode), and
+	// storeTimer: fires when the next store is due (see settle).
+	lastStore  time.Time
+	storeTimer *time.Timer
 }
 
 // readyAck is a resolved event waiting for flush.
@@ -44,6 +48,81 @@ type readyAck struct {
 // most.
 const flushEvery = 1024
 
+// Coalesced watermark stores (dedup mode). The watermark is a KV Put: a
+// message the NATS server stores (and whose older revision it removes),
+// sent on jetbox's connection between the outbox messages. Stored after
+// every in-order advance, in 1-row transactions that was one Put per event,
+// each delaying the next event's store on the server and, while it waited,
+// the ack goroutine. Now, when nothing more is to resolve, the resolved
+// events wait until watermarkEvery has passed since the last store (or
+// until flushLimit of them wait, a serial Publish waits, a failure comes,
+// or the session closes), and one Put covers them all.
+//
+// Why this keeps the promises. What flush stores and when it calls done is
+// unchanged: it stores the watermark of the in-order prefix of events
+// JetStream acked (stored in order, or proved replays), and calls their
+// done only after that store succeeded. So, at every moment,
+//
+//   - the stored watermark is never ahead of the stream: it only names
+//     events acked in order, i.e. durably held in the stream in order;
+//   - the stored watermark covers every event whose done was called, so
+//     everything jetbox can confirm to PostgreSQL (the tracker's in-order
+//     prefix of done events) is at or before it, and everything after it
+//     is replayed after a crash. A replayed event's Duplicate PubAck whose
+//     original is gone is proved by its claim (the original's sequence is
+//     after the stored watermark's), exactly as for an event acked but not
+//     yet flushed before this change.
+//
+// A crash between an ack and the store loses nothing (the events were not
+// confirmed: they are sent again, and the duplicate window or the claims
+// absorb them) and duplicates nothing the dedup contract did not already
+// allow. The only change is when done runs: up to watermarkEvery after the
+// ack, which delays the confirmed LSN by that much (it is sent every
+// --status-interval, 1 s by default) and holds that many events in the
+// tracker's window (flushLimit keeps half of it free).
+const watermarkEvery = 50 * time.Millisecond
+
+// flushLimit is how many resolved events wait for a coalesced store at
+// most: half the tracker's window (the sink's MaxPending follows it), so
+// done calls never hold up the publishing.
+func (w *ackWatcher) flushLimit() int {
+	window := w.s.p.cfg.MaxPending
+	if window < 1 {
+		window = DefaultMaxPending // what New sets
+	}
+	return min(flushEvery, max(1, window/2))
+}
+
+// coalesces reports whether flush stores the watermark, so that its stores
+// are coalesced (dedup mode with the order guard, not frozen).
+func (w *ackWatcher) coalesces() bool {
+	return w.s.p.cfg.Delivery.PersistsWatermark() && !w.frozen
+}
+
+// settle lets the resolved events go when nothing more is to resolve now:
+// at once, unless their watermark store is not due yet (see
+// watermarkEvery); it then returns the channel that fires when it is (nil:
+// nothing waits).
+func (w *ackWatcher) settle() <-chan time.Time {
+	if len(w.ready) == 0 {
+		return nil
+	}
+	wait := time.Duration(0)
+	if w.coalesces() {
+		wait = time.Until(w.lastStore.Add(watermarkEvery))
+	}
+	if wait <= 0 {
+		w.flush()
+		return nil
+	}
+	if w.storeTimer == nil {
+		w.storeTimer = time.NewTimer(wait)
+	} else {
+		w.storeTimer.Reset(wait) // Go 1.23+: no stale tick after Reset
+	}
+	return w.storeTimer.C
+}
+
 // watch is the session's ack goroutine: it resolves the publishes in
 // order and calls their done callbacks.
 func (s *Session) watch() {
@@ -51,6 +130,11 @@ func (s *Session) watch() {
 	defer s.cancel()
 	w := &ackWatcher{s: s}
 	defer w.flush()
+	defer func() {
+		if w.storeTimer != nil {
+			w.storeTimer.Stop()
+		}
+	}()
 	for {
 		pa, more := w.next()
 		if !more {
@@ -66,15 +150,22 @@ func (s *Session) watch() {
 }
 
 // next returns the next publish in flight; while there is none, the
-// resolved ones go (flush). more is false once the session closed.
+// resolved ones go (settle). more is false once the session closed.
 func (w *ackWatcher) next() (pa pendingAck, more bool) {
 	select {
 	case pa, more = <-w.s.pending:
+		return pa, more
 	default:
-		w.flush() // nothing more in flight now
-		pa, more = <-w.s.pending
 	}
-	return pa, more
+	for {
+		due := w.settle() // nothing more in flight now
+		select {
+		case pa, more = <-w.s.pending:
+			return pa, more
+		case <-due:
+			w.flush()
+		}
+	}
 }
 
 // await waits for pa's PubAck or failure: its own, a permissions violation
@@ -88,19 +179,24 @@ func (w *ackWatcher) await(pa pendingAck) (ack *jetstream.PubAck, quit bool, err
 		return nil, false, err
 	default:
 	}
-	w.flush() // nothing more to resolve now: let the resolved ones go
 	p := w.s.p
-	select {
-	case ack = <-pa.fut.Ok():
-	case err = <-pa.fut.Err():
-	case <-p.denied:
-		err = p.deniedErr
-	case <-p.gone:
-		err = p.ClosedError()
-	case <-w.s.quit:
-		quit = true
+	for {
+		due := w.settle() // nothing more to resolve now: let the resolved ones go
+		select {
+		case ack = <-pa.fut.Ok():
+		case err = <-pa.fut.Err():
+		case <-p.denied:
+			err = p.deniedErr
+		case <-p.gone:
+			err = p.ClosedError()
+		case <-w.s.quit:
+			quit = true
+		case <-due:
+			w.flush()
+			continue
+		}
+		return ack, quit, err
 	}
-	return ack, quit, err
 }
 
 // abandon ends the session's remaining events without their done calls:
@@ -143,7 +239,7 @@ func (w *ackWatcher) resolve(pa pendingAck, ack *jetstream.PubAck, err error) {
 		w.stored(pa, ack.Sequence)
 	}
 	w.ready = append(w.ready, readyAck{pa: pa, seq: ack.Sequence, dup: ack.Duplicate})
-	if pa.serial != nil || len(w.ready) >= flushEvery {
+	if pa.serial != nil || len(w.ready) >= w.flushLimit() {
 		w.flush() // a Publish waits for it
 	}
 }
@@ -203,6 +299,7 @@ func (w *ackWatcher) flush() {
 	}
 	var err error
 	if !w.frozen {
+		w.lastStore = time.Now()
 		seq := uint64(0)
 		for _, r := range w.ready {
 			seq = max(seq, r.seq)
