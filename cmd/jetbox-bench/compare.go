@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"path/filepath"
 	"slices"
 	"strings"
 	"time"
@@ -54,12 +55,11 @@ func (c Config) compareVariants(current string) []variant {
 			}
 			out = append(out, v)
 		}
-		cur := variant{Name: "current, --delivery=" + mode, Bin: current, Delivery: mode}
-		if c.BaselineBin != "" {
-			add(variant{Name: "baseline, --delivery=" + mode, Bin: c.BaselineBin, Delivery: mode})
-			add(cur)
-		} else if len(c.StatusIntervals) == 0 {
-			add(cur)
+		for _, bin := range c.BaselineBins {
+			add(variant{Name: fmt.Sprintf("baseline %s, --delivery=%s", filepath.Base(bin), mode), Bin: bin, Delivery: mode})
+		}
+		if len(c.BaselineBins) > 0 || len(c.StatusIntervals) == 0 {
+			add(variant{Name: "current, --delivery=" + mode, Bin: current, Delivery: mode})
 		}
 		for _, si := range c.StatusIntervals {
 			add(variant{Name: fmt.Sprintf("current, --delivery=%s --status-interval=%s", mode, si),
@@ -89,13 +89,13 @@ func (b *bench) checkBaseline(vs []variant) error {
 		for _, kv := range append(b.jetboxEnv(newDeployment("x", v.Delivery)), v.Env...) {
 			key, _, _ := strings.Cut(kv, "=")
 			if !strings.Contains(help[v.Bin], key) {
-				problems = append(problems, key)
+				problems = append(problems, v.Bin+" does not read "+key)
 			}
 		}
 	}
 	if len(problems) > 0 {
 		slices.Sort(problems)
-		return fmt.Errorf("--baseline-bin does not read %s, which the bench sets: build a baseline that has these settings, or leave out the option that needs them",
+		return fmt.Errorf("--baseline-bin: %s (the bench sets these): build a baseline that has these settings, or leave out the option that needs them",
 			strings.Join(slices.Compact(problems), ", "))
 	}
 	return nil

@@ -42,7 +42,7 @@ type Config struct {
 	ScaleBytes    int64         // scale-payload: payload bytes per point at most (fewer rows for large payloads)
 	Timeout       time.Duration // bound on each wait for a workload to finish
 	// The compare workload (compare.go).
-	BaselineBin     string          // a previous jetbox build run beside the current one
+	BaselineBins    []string        // previous jetbox builds run beside the current one (the first is the reference)
 	Reps            int             // interleaved repetitions of each set-up
 	CompareDelivery []string        // delivery modes compared
 	StatusIntervals []time.Duration // the current build at these --status-interval values
@@ -102,7 +102,8 @@ func parseFlags(args []string, stderr io.Writer) (Config, error) {
 	fs.StringVar(&scalePayloads, "scale-payloads", scalePayloads, "scale-payload: payload sizes (bytes)")
 	fs.StringVar(&scaleTx, "scale-tx", scaleTx, "scale-tx: rows per transaction (each point has max(--rows, this) rows)")
 	fs.Int64Var(&c.ScaleBytes, "scale-bytes", c.ScaleBytes, "scale-payload: payload bytes per point at most (min(--rows, this/size) rows)")
-	fs.StringVar(&c.BaselineBin, "baseline-bin", "", "a previous jetbox build to run beside the current one (workload compare: steady state at --rate for --steady, --reps interleaved repetitions each, the ratio current/baseline); alone it runs only compare")
+	baselines := ""
+	fs.StringVar(&baselines, "baseline-bin", "", "previous jetbox build(s) to run beside the current one, comma-separated (workload compare: steady state at --rate for --steady, --reps interleaved repetitions each, the ratios to the first); alone it runs only compare")
 	fs.IntVar(&c.Reps, "reps", c.Reps, "compare: interleaved repetitions of each set-up")
 	compareDelivery := strings.Join(c.CompareDelivery, ",")
 	fs.StringVar(&compareDelivery, "compare-delivery", compareDelivery, "compare: delivery modes, comma-separated (dedup, exactly-once)")
@@ -124,7 +125,8 @@ func parseFlags(args []string, stderr io.Writer) (Config, error) {
 		}
 	}
 	var errs []error
-	c.CompareDelivery = compactModes(compareDelivery)
+	c.CompareDelivery = splitList(compareDelivery)
+	c.BaselineBins = splitList(baselines)
 	for _, f := range strings.Split(statusIntervals, ",") {
 		if f = strings.TrimSpace(f); f == "" {
 			continue
@@ -136,7 +138,7 @@ func parseFlags(args []string, stderr io.Writer) (Config, error) {
 		}
 		c.StatusIntervals = append(c.StatusIntervals, d)
 	}
-	if len(c.Only) == 0 && (c.BaselineBin != "" || len(c.StatusIntervals) > 0) {
+	if len(c.Only) == 0 && (len(c.BaselineBins) > 0 || len(c.StatusIntervals) > 0) {
 		c.Only = []string{"compare"}
 	}
 	for _, l := range []struct {
@@ -194,7 +196,7 @@ func (c Config) validate() error {
 			errs = append(errs, fmt.Errorf("--compare-delivery: %q is not dedup or exactly-once", m))
 		}
 	}
-	if slices.Contains(c.Only, "compare") && c.BaselineBin == "" && len(c.StatusIntervals) == 0 {
+	if slices.Contains(c.Only, "compare") && len(c.BaselineBins) == 0 && len(c.StatusIntervals) == 0 {
 		errs = append(errs, errors.New("--only compare needs --baseline-bin or --status-intervals (what to compare)"))
 	}
 	for _, w := range c.Only {
@@ -244,8 +246,8 @@ func joinInts(v []int) string {
 	return strings.Join(s, ",")
 }
 
-// compactModes splits a comma-separated list of delivery modes.
-func compactModes(s string) []string {
+// splitList splits a comma-separated list, dropping empty and repeated items.
+func splitList(s string) []string {
 	var out []string
 	for _, m := range strings.Split(s, ",") {
 		if m = strings.TrimSpace(m); m != "" && !slices.Contains(out, m) {
