@@ -11,7 +11,12 @@ import (
 	"time"
 
 	"github.com/jetbox-dev/jetbox/decoder"
+	"github.com/jetbox-dev/jetbox/sink"
+	"github.com/nats-io/nats.go/jetstream"
 )
+
+// sinkWatermarkBucket is dedup mode's watermark bucket.
+const sinkWatermarkBucket = sink.WatermarkBucket
 
 // The compare workload (--baseline-bin, --status-intervals) runs jetbox
 // set-ups side by side in one run: each a build (the current one, or a
@@ -38,7 +43,11 @@ type compareRun struct {
 	variant
 	Reps  []latencyRun
 	Waits []waitCounts // the walsenders' wait events, per repetition
-	Check error        // the stream at the end: every row once, in commit order
+	// KVStores: messages the watermark bucket's stream took during each
+	// repetition (dedup mode's watermark stores, every jetbox's), -1
+	// where it could not be read.
+	KVStores []int64
+	Check    error // the stream at the end: every row once, in commit order
 }
 
 // compareVariants lists the set-ups: per delivery mode, the baseline build
@@ -140,15 +149,39 @@ func (b *bench) compare(ctx context.Context) ([]*compareRun, error) {
 			if ctx.Err() != nil {
 				return runs, ctx.Err()
 			}
+			kv0 := b.kvStores(ctx)
 			run, waits := b.compareRep(ctx, vs[i], deps[i], writers[i], rep)
+			stores := int64(-1)
+			if kv1 := b.kvStores(ctx); kv0 >= 0 && kv1 >= 0 {
+				stores = kv1 - kv0
+			}
 			runs[i].Reps = append(runs[i].Reps, run)
 			runs[i].Waits = append(runs[i].Waits, waits)
+			runs[i].KVStores = append(runs[i].KVStores, stores)
 		}
 	}
 	for i := range vs {
 		runs[i].Check = b.verify(ctx, deps[i].db, deps[i].stream, true)
 	}
 	return runs, nil
+}
+
+// kvStores is the watermark bucket's stream's last sequence: how many
+// watermark stores it took so far (0 before the bucket exists, -1 when it
+// cannot be read).
+func (b *bench) kvStores(ctx context.Context) int64 {
+	s, err := b.srv.js.Stream(ctx, "KV_"+sinkWatermarkBucket)
+	if errors.Is(err, jetstream.ErrStreamNotFound) {
+		return 0
+	}
+	if err != nil {
+		return -1
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		return -1
+	}
+	return int64(info.State.LastSeq)
 }
 
 // variantStart starts v's jetbox for d.
@@ -207,8 +240,8 @@ func (r *Report) printCompare(w io.Writer) {
 	if r.CompareErr != nil {
 		fmt.Fprintf(w, "Did not complete: %v\n\n", r.CompareErr)
 	}
-	fmt.Fprintln(w, "| set-up | p50 per rep (ms) | p99 per rep (ms) | p50 | p99 | floor p99 | p99 − floor p99 | p50 ratio | p99 ratio | check |")
-	fmt.Fprintln(w, "|---|---|---|--:|--:|--:|--:|--:|--:|---|")
+	fmt.Fprintln(w, "| set-up | p50 per rep (ms) | p99 per rep (ms) | p50 | p99 | floor p99 | p99 − floor p99 | p50 ratio | p99 ratio | CPU µs/row jetbox / NATS | watermark stores per 1,000 rows | check |")
+	fmt.Fprintln(w, "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|---|")
 	p50 := func(l latencyRun) time.Duration { return l.Stats.P50 }
 	p99 := func(l latencyRun) time.Duration { return l.Stats.P99 }
 	floor99 := func(l latencyRun) time.Duration { return l.Floor.P99 }
@@ -228,8 +261,25 @@ func (r *Report) printCompare(w io.Writer) {
 			ratio99 = ratio(medianOf(cr.Reps, p99), medianOf(ref.Reps, p99))
 		}
 		m99, f99 := medianOf(cr.Reps, p99), medianOf(cr.Reps, floor99)
-		fmt.Fprintf(w, "| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", cr.Name, strings.Join(reps50, ", "), strings.Join(reps99, ", "),
-			millis(medianOf(cr.Reps, p50)), millis(m99), millis(f99), signedMillis(m99-f99), ratio50, ratio99, check(errors.Join(append(errs, cr.Check)...)))
+		perRow := func(f func(usage) time.Duration) func(latencyRun) time.Duration {
+			return func(l latencyRun) time.Duration {
+				if l.Stats.N == 0 {
+					return 0
+				}
+				return f(l.CPU) / time.Duration(l.Stats.N)
+			}
+		}
+		cpuJ := medianOf(cr.Reps, perRow(func(u usage) time.Duration { return u.Forwarder }))
+		cpuN := medianOf(cr.Reps, perRow(func(u usage) time.Duration { return u.NATS }))
+		var kv []string
+		for i, n := range cr.KVStores {
+			if n >= 0 && i < len(cr.Reps) && cr.Reps[i].Stats.N > 0 {
+				kv = append(kv, fmt.Sprintf("%.0f", 1000*float64(n)/float64(cr.Reps[i].Stats.N)))
+			}
+		}
+		fmt.Fprintf(w, "| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s / %s | %s | %s |\n", cr.Name, strings.Join(reps50, ", "), strings.Join(reps99, ", "),
+			millis(medianOf(cr.Reps, p50)), millis(m99), millis(f99), signedMillis(m99-f99), ratio50, ratio99,
+			micros(cpuJ), micros(cpuN), strings.Join(kv, ", "), check(errors.Join(append(errs, cr.Check)...)))
 	}
 	fmt.Fprintln(w)
 	fmt.Fprintf(w, "Walsender wait events (samples every %s, all repetitions):\n\n", waitSampleEvery)
