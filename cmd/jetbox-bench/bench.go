@@ -21,6 +21,9 @@ type bench struct {
 	jetbox string // the binary measured
 	self   string // this binary, for the child roles
 	logs   int    // log files made so far
+	// floorConfirm: the floor client confirms what it receives (see
+	// floorClient); cfg.FloorConfirm, or per set-up in compare.
+	floorConfirm bool
 }
 
 // Report is everything one run measured.
@@ -52,7 +55,7 @@ type Report struct {
 // could not be set up or was interrupted; a workload's own failure is in its
 // part of the report (see Report.Failed).
 func Run(ctx context.Context, cfg Config, log zerolog.Logger) (*Report, error) {
-	b := &bench{cfg: cfg, log: log}
+	b := &bench{cfg: cfg, log: log, floorConfirm: cfg.FloorConfirm}
 	cleanup, err := b.setUp(ctx)
 	defer cleanup()
 	if err != nil {

@@ -36,6 +36,9 @@ type variant struct {
 	Delivery string   // --delivery
 	Env      []string // extra JETBOX_* settings
 	Ref      int      // index of the variant it is compared with; -1: none (it is a reference)
+	// FloorQuiet: the floor client beside it reports its write position
+	// only, never confirming (--floor-confirm=both).
+	FloorQuiet bool
 }
 
 // compareRun is what one variant measured, repetition by repetition.
@@ -75,7 +78,17 @@ func (c Config) compareVariants(current string) []variant {
 				Bin: current, Delivery: mode, Env: []string{"JETBOX_STATUS_INTERVAL=" + si.String()}})
 		}
 	}
-	return out
+	if !c.FloorBoth {
+		return out
+	}
+	both := make([]variant, 0, 2*len(out))
+	for _, v := range out {
+		q := v
+		q.Name, q.FloorQuiet, q.Ref = v.Name+" (floor not confirming)", true, len(both)
+		v.Ref = -1
+		both = append(both, v, q)
+	}
+	return both
 }
 
 // checkBaseline makes sure a previous build reads every setting the bench
@@ -195,6 +208,8 @@ func (b *bench) variantStart(v variant, d deployment) func() (*process, error) {
 // the floor and the wait-event sampler beside it, stop.
 func (b *bench) compareRep(ctx context.Context, v variant, d deployment, ws sqlWriters, rep int) (latencyRun, waitCounts) {
 	name := fmt.Sprintf("%s (rep %d)", v.Name, rep+1)
+	b.floorConfirm = !v.FloorQuiet
+	defer func() { b.floorConfirm = b.cfg.FloorConfirm }()
 	load, stop, err := b.startSQLLoad(ctx, d, ws, b.variantStart(v, d), true)
 	if err != nil {
 		return latencyRun{Name: name, Rate: b.cfg.SteadyRate, Err: err}, nil

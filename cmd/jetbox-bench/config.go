@@ -47,6 +47,7 @@ type Config struct {
 	CompareDelivery []string        // delivery modes compared
 	StatusIntervals []time.Duration // the current build at these --status-interval values
 	FloorConfirm    bool            // the floor client confirms what it received (flush = write), every second
+	FloorBoth       bool            // compare: each set-up twice, the floor confirming and not
 }
 
 // defaultConfig is the full-size run.
@@ -109,7 +110,8 @@ func parseFlags(args []string, stderr io.Writer) (Config, error) {
 	fs.StringVar(&compareDelivery, "compare-delivery", compareDelivery, "compare: delivery modes, comma-separated (dedup, exactly-once)")
 	statusIntervals := ""
 	fs.StringVar(&statusIntervals, "status-intervals", "", "compare: run the current build at each of these --status-interval values (comma-separated durations), compared with the first (or with the baseline); alone it runs only compare")
-	fs.BoolVar(&c.FloorConfirm, "floor-confirm", c.FloorConfirm, "the floor client confirms what it received every second (flush position = write position, as jetbox confirms); false: it reports its write position only")
+	floorConfirm := "true"
+	fs.StringVar(&floorConfirm, "floor-confirm", floorConfirm, "true: the floor client confirms what it received every second (flush position = write position, as jetbox confirms); false: it reports its write position only; both (compare): each set-up twice, with the floor confirming and not")
 	only := ""
 	fs.StringVar(&only, "only", "", "run only these workloads, comma-separated, of: "+strings.Join(append(slices.Clone(workloads), scaleWorkloads...), ",")+" (recv needs dedup; default: all but the scale-* ones, which --scale adds)")
 	if err := fs.Parse(args); err != nil {
@@ -127,6 +129,15 @@ func parseFlags(args []string, stderr io.Writer) (Config, error) {
 	var errs []error
 	c.CompareDelivery = splitList(compareDelivery)
 	c.BaselineBins = splitList(baselines)
+	switch floorConfirm {
+	case "true":
+	case "false":
+		c.FloorConfirm = false
+	case "both":
+		c.FloorBoth = true
+	default:
+		errs = append(errs, fmt.Errorf("--floor-confirm: %q is not true, false or both", floorConfirm))
+	}
 	for _, f := range strings.Split(statusIntervals, ",") {
 		if f = strings.TrimSpace(f); f == "" {
 			continue

@@ -67,7 +67,7 @@ func (b *bench) startFloor(ctx context.Context, db, publication string) (*floorC
 		return nil, fmt.Errorf("floor: start replication on %q: %w", slot, err)
 	}
 	rctx, cancel := context.WithCancel(ctx)
-	f := &floorClient{conn: conn, confirm: b.cfg.FloorConfirm, start: start, cancel: cancel, done: make(chan struct{}), byID: map[string]time.Duration{}}
+	f := &floorClient{conn: conn, confirm: b.floorConfirm, start: start, cancel: cancel, done: make(chan struct{}), byID: map[string]time.Duration{}}
 	go f.run(rctx)
 	return f, nil
 }
