@@ -21,6 +21,7 @@ type bench struct {
 	jetbox string // the binary measured
 	self   string // this binary, for the child roles
 	logs   int    // log files made so far
+	floors int    // floor clients started so far (their slots' names)
 	// floorConfirm: the floor client confirms what it receives (see
 	// floorClient); cfg.FloorConfirm, or per set-up in compare.
 	floorConfirm bool

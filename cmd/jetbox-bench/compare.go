@@ -216,7 +216,7 @@ func (b *bench) compareRep(ctx context.Context, v variant, d deployment, ws sqlW
 	}
 	defer load.consumer.stop()
 	load.slot = d.slot
-	waits := b.sampleWaits(ctx, d.slot, "bench_floor_"+d.db)
+	waits := b.sampleWaits(ctx, d.slot, load.floor.slot)
 	run := load.step(ctx, name, b.cfg.SteadyRate, b.cfg.Steady)
 	counts := waits.finish()
 	load.floor.stop()

@@ -22,6 +22,7 @@ import (
 // the forwarder's own walsender, the forwarder, NATS and the consumer.
 type floorClient struct {
 	conn    *pgconn.PgConn
+	slot    string        // its temporary slot
 	confirm bool          // confirm what was received (flush = write); else the flush position stays at start
 	start   pglogrepl.LSN // the slot's consistent point
 	cancel  context.CancelFunc
@@ -48,7 +49,10 @@ func (b *bench) startFloor(ctx context.Context, db, publication string) (*floorC
 	if err != nil {
 		return nil, fmt.Errorf("floor: connect to %s for replication: %w", db, err)
 	}
-	slot := "bench_floor_" + db // one per database: a closed one's may linger a moment
+	// A new name each time: a closed client's temporary slot lingers until
+	// its walsender has exited.
+	b.floors++
+	slot := fmt.Sprintf("bench_floor_%s_%d", db, b.floors)
 	created, err := pglogrepl.CreateReplicationSlot(ctx, conn, slot, "pgoutput",
 		pglogrepl.CreateReplicationSlotOptions{Temporary: true, SnapshotAction: "NOEXPORT_SNAPSHOT"})
 	if err != nil {
@@ -67,7 +71,7 @@ func (b *bench) startFloor(ctx context.Context, db, publication string) (*floorC
 		return nil, fmt.Errorf("floor: start replication on %q: %w", slot, err)
 	}
 	rctx, cancel := context.WithCancel(ctx)
-	f := &floorClient{conn: conn, confirm: b.floorConfirm, start: start, cancel: cancel, done: make(chan struct{}), byID: map[string]time.Duration{}}
+	f := &floorClient{conn: conn, slot: slot, confirm: b.floorConfirm, start: start, cancel: cancel, done: make(chan struct{}), byID: map[string]time.Duration{}}
 	go f.run(rctx)
 	return f, nil
 }
