@@ -21,6 +21,7 @@
 //
 //	go run ./cmd/jetbox-bench                  # the full run (a few minutes)
 //	go run ./cmd/jetbox-bench --rows 20000 --big-tx 0 --steady 3s --rates 4000 --step 2s
+//	go run ./cmd/jetbox-bench --baseline-bin /tmp/jetbox-old --reps 3   # a previous build beside this one (compare.go)
 package main
 
 import (
