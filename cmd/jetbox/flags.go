@@ -40,6 +40,7 @@ var flagVars = map[string]string{
 	"default_shutdown_timeout":      durationText(replication.DefaultShutdownTimeout),
 	"default_standby_retry":         durationText(replication.DefaultStandbyRetry),
 	"default_monitor_interval":      durationText(replication.DefaultMonitorInterval),
+	"default_standby_slot_timeout":  durationText(replication.DefaultStandbySlotTimeout),
 }
 
 // durationText is d as a flag default is written: 2m rather than 2m0s.
@@ -82,36 +83,39 @@ Memory and GC: GOMEMLIMIT, GOGC (docs/configuration.md).`
 // Values are taken as strings and validated together by Config, so one run
 // reports every mistake at once.
 type RunFlags struct {
-	PostgresURL     string `name:"postgres-url" env:"JETBOX_POSTGRES_URL" help:"Postgres libpq URL or DSN (PG* variables and sslmode work). Required." placeholder:"URL" group:"postgres"`
-	PrimaryURL      string `name:"primary-url" env:"JETBOX_PRIMARY_URL" help:"When --postgres-url is a hot standby (PostgreSQL 16+): its primary's URL, same database, for what a standby cannot do (create the publication, heartbeats, standby snapshots while the slot is created). Optional." placeholder:"URL" group:"postgres"`
-	StandbyURLs     string `name:"standby-urls" env:"JETBOX_STANDBY_URLS" help:"PostgreSQL 17+ standbys that synchronise jetbox's failover slot, comma-separated libpq URLs (one host each): the instance that streams reads there every --monitor-interval whether the slot's copy is persisted (jetbox_failover_slot_ready, /readyz, jetbox check) and asks them to synchronise it (pg_sync_replication_slots()) while it is not." placeholder:"URLS" group:"postgres"`
-	NatsURL         string `name:"nats-url" env:"JETBOX_NATS_URL" default:"${default_nats_url}" help:"NATS server URL(s), comma-separated." group:"nats"`
-	NatsContext     string `name:"nats-context" env:"JETBOX_NATS_CONTEXT" help:"A nats CLI context (its name, or the path of its file) for the NATS URL, credentials and TLS; the --nats-* flags given override it." placeholder:"NAME" group:"nats"`
-	NatsStoreDir    string `name:"nats-store-dir" env:"JETBOX_NATS_STORE_DIR" help:"With --nats-url=embedded: the JetStream store directory (required)." placeholder:"DIR" group:"nats"`
-	NatsListen      string `name:"nats-listen" env:"JETBOX_NATS_LISTEN" default:"127.0.0.1:4222" help:"With --nats-url=embedded: where the embedded server listens for consumers." group:"nats"`
-	NatsCreds       string `name:"nats-creds" env:"JETBOX_NATS_CREDS" help:"NATS credentials file (JWT + NKey)." placeholder:"FILE" group:"nats"`
-	NatsNKey        string `name:"nats-nkey" env:"JETBOX_NATS_NKEY" help:"NATS NKey seed file." placeholder:"FILE" group:"nats"`
-	NatsUser        string `name:"nats-user" env:"JETBOX_NATS_USER" help:"NATS user (with --nats-password)." group:"nats"`
-	NatsPassword    string `name:"nats-password" env:"JETBOX_NATS_PASSWORD" help:"NATS password." group:"nats"`
-	NatsToken       string `name:"nats-token" env:"JETBOX_NATS_TOKEN" help:"NATS token." group:"nats"`
-	NatsTLSCA       string `name:"nats-tls-ca" env:"JETBOX_NATS_TLS_CA" help:"CA certificate(s) to verify the NATS server, PEM." placeholder:"FILE" group:"nats"`
-	NatsTLSCert     string `name:"nats-tls-cert" env:"JETBOX_NATS_TLS_CERT" help:"Client certificate for NATS, PEM (with --nats-tls-key)." placeholder:"FILE" group:"nats"`
-	NatsTLSKey      string `name:"nats-tls-key" env:"JETBOX_NATS_TLS_KEY" help:"Client key for NATS, PEM." placeholder:"FILE" group:"nats"`
-	NatsInboxPrefix string `name:"nats-inbox-prefix" env:"JETBOX_NATS_INBOX_PREFIX" help:"Prefix of the reply subjects jetbox subscribes to (PubAcks, JetStream API replies) instead of _INBOX, for accounts that allow subscribing only under it." placeholder:"PREFIX" group:"nats"`
-	NatsJSDomain    string `name:"nats-js-domain" env:"JETBOX_NATS_JS_DOMAIN" help:"JetStream domain of the stream, for a stream in a hub reached through a leafnode (its API is $JS.<domain>.API)." placeholder:"DOMAIN" group:"nats"`
-	NatsMaxCtlLine  string `name:"nats-max-control-line" env:"JETBOX_NATS_MAX_CONTROL_LINE" default:"${default_nats_max_control_line}" help:"The NATS server's max_control_line (servers do not announce it): a row whose subject would not fit, with the reply and sizes, is invalid (bad-subject) instead of making the server close the connection (default: ${default})." group:"nats" placeholder:"BYTES"`
-	Table           string `name:"table" env:"JETBOX_TABLE" default:"public.outbox" help:"Outbox table, schema.name." group:"postgres"`
-	Slot            string `name:"slot" env:"JETBOX_SLOT" default:"jetbox" help:"Logical replication slot (created if missing)." group:"postgres"`
-	Publication     string `name:"publication" env:"JETBOX_PUBLICATION" default:"jetbox" help:"Publication (created if missing)." group:"postgres"`
-	Stream          string `name:"stream" env:"JETBOX_STREAM" default:"OUTBOX" help:"JetStream stream (created if missing)." group:"stream"`
-	SubjectPrefix   string `name:"subject-prefix" env:"JETBOX_SUBJECT_PREFIX" default:"outbox" help:"Subjects are <prefix>.<aggregate_type>.<event_type> (see --subject-template)." group:"stream"`
-	Source          string `name:"source" env:"JETBOX_SOURCE" default:"table" help:"Where outbox events come from: table (rows of --table), messages (pg_logical_emit_message(true, <message-prefix>, envelope): no table; PostgreSQL 14+), or table,messages (see docs/routing.md)." group:"postgres"`
-	MessagePrefix   string `name:"message-prefix" env:"JETBOX_MESSAGE_PREFIX" default:"jetbox" help:"With --source including messages: the logical decoding message prefix of outbox events; other prefixes are ignored." group:"postgres"`
-	SubjectTemplate string `name:"subject-template" env:"JETBOX_SUBJECT_TEMPLATE" default:"{prefix}.{aggregate_type}.{event_type}" help:"Subject of each event: {prefix} first, then tokens made of literals and {aggregate_type}, {aggregate_id}, {event_type}, {partition} (see docs/routing.md)." group:"stream"`
-	Partitions      string `name:"partitions" env:"JETBOX_PARTITIONS" default:"0" help:"N for {partition}: FNV-1a 32 of aggregate_id modulo N (the same as a stream transform's partition()); 0: none. {partition} needs 1 or more (default: ${default})." group:"stream" placeholder:"N"`
-	HTTPAddr        string `name:"http-addr" env:"JETBOX_HTTP_ADDR" default:"127.0.0.1:8080" help:"Address for /metrics, /healthz and /readyz; empty disables." group:"ops"`
-	FinalScrape     string `name:"final-scrape-wait" env:"JETBOX_FINAL_SCRAPE_WAIT" default:"1m" help:"After stopping on an invalid row (--on-invalid=stop), keep serving /metrics until it is scraped once more, at most this long, so that jetbox_invalid_rows_total{action=\"stop\"} reaches Prometheus (a restart would stop on the same row); 0: exit at once (default: ${default})." group:"ops" placeholder:"DURATION"`
-	PprofAddr       string `name:"pprof-addr" env:"JETBOX_PPROF_ADDR" help:"Serve Go's net/http/pprof on this address, for profiling (no authentication: never expose it); empty disables." group:"ops"`
+	PostgresURL      string `name:"postgres-url" env:"JETBOX_POSTGRES_URL" help:"Postgres libpq URL or DSN (PG* variables and sslmode work). Required." placeholder:"URL" group:"postgres"`
+	PrimaryURL       string `name:"primary-url" env:"JETBOX_PRIMARY_URL" help:"When --postgres-url is a hot standby (PostgreSQL 16+): its primary's URL, same database, for what a standby cannot do (create the publication, heartbeats, standby snapshots while the slot is created). Optional." placeholder:"URL" group:"postgres"`
+	StandbyURLs      string `name:"standby-urls" env:"JETBOX_STANDBY_URLS" help:"PostgreSQL 17+ standbys that synchronise jetbox's failover slot, comma-separated libpq URLs (one host each): the instance that streams reads there every --monitor-interval whether the slot's copy is persisted (jetbox_failover_slot_ready, /readyz, jetbox check) and asks them to synchronise it (pg_sync_replication_slots()) while it is not." placeholder:"URLS" group:"postgres"`
+	WaitStandbySlots string `name:"wait-for-standby-slots" env:"JETBOX_WAIT_FOR_STANDBY_SLOTS" help:"Physical replication slots of standbys, comma-separated: publish a transaction only once each of them has flushed it, so a promoted standby holds every row jetbox published (PostgreSQL 14-16; on 17+ the server's synchronized_standby_slots does this for failover slots). The slots must exist on the primary." placeholder:"SLOTS" group:"postgres"`
+	StandbySlotWait  string `name:"standby-slot-timeout" env:"JETBOX_STANDBY_SLOT_TIMEOUT" default:"${default_standby_slot_timeout}" help:"With --wait-for-standby-slots: after a transaction has waited this long for the standbys, warn (log, jetbox_standby_slot_waiting, /readyz) and apply --on-standby-slot-timeout (default: ${default})." group:"postgres" placeholder:"DURATION"`
+	OnStandbySlot    string `name:"on-standby-slot-timeout" env:"JETBOX_ON_STANDBY_SLOT_TIMEOUT" default:"wait" help:"With --wait-for-standby-slots, once --standby-slot-timeout passed: wait (keep waiting for the standbys: the stream stops while they are down) or publish (go on without the guarantee until they catch up; jetbox_standby_slot_unguarded is 1)." group:"postgres"`
+	NatsURL          string `name:"nats-url" env:"JETBOX_NATS_URL" default:"${default_nats_url}" help:"NATS server URL(s), comma-separated." group:"nats"`
+	NatsContext      string `name:"nats-context" env:"JETBOX_NATS_CONTEXT" help:"A nats CLI context (its name, or the path of its file) for the NATS URL, credentials and TLS; the --nats-* flags given override it." placeholder:"NAME" group:"nats"`
+	NatsStoreDir     string `name:"nats-store-dir" env:"JETBOX_NATS_STORE_DIR" help:"With --nats-url=embedded: the JetStream store directory (required)." placeholder:"DIR" group:"nats"`
+	NatsListen       string `name:"nats-listen" env:"JETBOX_NATS_LISTEN" default:"127.0.0.1:4222" help:"With --nats-url=embedded: where the embedded server listens for consumers." group:"nats"`
+	NatsCreds        string `name:"nats-creds" env:"JETBOX_NATS_CREDS" help:"NATS credentials file (JWT + NKey)." placeholder:"FILE" group:"nats"`
+	NatsNKey         string `name:"nats-nkey" env:"JETBOX_NATS_NKEY" help:"NATS NKey seed file." placeholder:"FILE" group:"nats"`
+	NatsUser         string `name:"nats-user" env:"JETBOX_NATS_USER" help:"NATS user (with --nats-password)." group:"nats"`
+	NatsPassword     string `name:"nats-password" env:"JETBOX_NATS_PASSWORD" help:"NATS password." group:"nats"`
+	NatsToken        string `name:"nats-token" env:"JETBOX_NATS_TOKEN" help:"NATS token." group:"nats"`
+	NatsTLSCA        string `name:"nats-tls-ca" env:"JETBOX_NATS_TLS_CA" help:"CA certificate(s) to verify the NATS server, PEM." placeholder:"FILE" group:"nats"`
+	NatsTLSCert      string `name:"nats-tls-cert" env:"JETBOX_NATS_TLS_CERT" help:"Client certificate for NATS, PEM (with --nats-tls-key)." placeholder:"FILE" group:"nats"`
+	NatsTLSKey       string `name:"nats-tls-key" env:"JETBOX_NATS_TLS_KEY" help:"Client key for NATS, PEM." placeholder:"FILE" group:"nats"`
+	NatsInboxPrefix  string `name:"nats-inbox-prefix" env:"JETBOX_NATS_INBOX_PREFIX" help:"Prefix of the reply subjects jetbox subscribes to (PubAcks, JetStream API replies) instead of _INBOX, for accounts that allow subscribing only under it." placeholder:"PREFIX" group:"nats"`
+	NatsJSDomain     string `name:"nats-js-domain" env:"JETBOX_NATS_JS_DOMAIN" help:"JetStream domain of the stream, for a stream in a hub reached through a leafnode (its API is $JS.<domain>.API)." placeholder:"DOMAIN" group:"nats"`
+	NatsMaxCtlLine   string `name:"nats-max-control-line" env:"JETBOX_NATS_MAX_CONTROL_LINE" default:"${default_nats_max_control_line}" help:"The NATS server's max_control_line (servers do not announce it): a row whose subject would not fit, with the reply and sizes, is invalid (bad-subject) instead of making the server close the connection (default: ${default})." group:"nats" placeholder:"BYTES"`
+	Table            string `name:"table" env:"JETBOX_TABLE" default:"public.outbox" help:"Outbox table, schema.name." group:"postgres"`
+	Slot             string `name:"slot" env:"JETBOX_SLOT" default:"jetbox" help:"Logical replication slot (created if missing)." group:"postgres"`
+	Publication      string `name:"publication" env:"JETBOX_PUBLICATION" default:"jetbox" help:"Publication (created if missing)." group:"postgres"`
+	Stream           string `name:"stream" env:"JETBOX_STREAM" default:"OUTBOX" help:"JetStream stream (created if missing)." group:"stream"`
+	SubjectPrefix    string `name:"subject-prefix" env:"JETBOX_SUBJECT_PREFIX" default:"outbox" help:"Subjects are <prefix>.<aggregate_type>.<event_type> (see --subject-template)." group:"stream"`
+	Source           string `name:"source" env:"JETBOX_SOURCE" default:"table" help:"Where outbox events come from: table (rows of --table), messages (pg_logical_emit_message(true, <message-prefix>, envelope): no table; PostgreSQL 14+), or table,messages (see docs/routing.md)." group:"postgres"`
+	MessagePrefix    string `name:"message-prefix" env:"JETBOX_MESSAGE_PREFIX" default:"jetbox" help:"With --source including messages: the logical decoding message prefix of outbox events; other prefixes are ignored." group:"postgres"`
+	SubjectTemplate  string `name:"subject-template" env:"JETBOX_SUBJECT_TEMPLATE" default:"{prefix}.{aggregate_type}.{event_type}" help:"Subject of each event: {prefix} first, then tokens made of literals and {aggregate_type}, {aggregate_id}, {event_type}, {partition} (see docs/routing.md)." group:"stream"`
+	Partitions       string `name:"partitions" env:"JETBOX_PARTITIONS" default:"0" help:"N for {partition}: FNV-1a 32 of aggregate_id modulo N (the same as a stream transform's partition()); 0: none. {partition} needs 1 or more (default: ${default})." group:"stream" placeholder:"N"`
+	HTTPAddr         string `name:"http-addr" env:"JETBOX_HTTP_ADDR" default:"127.0.0.1:8080" help:"Address for /metrics, /healthz and /readyz; empty disables." group:"ops"`
+	FinalScrape      string `name:"final-scrape-wait" env:"JETBOX_FINAL_SCRAPE_WAIT" default:"1m" help:"After stopping on an invalid row (--on-invalid=stop), keep serving /metrics until it is scraped once more, at most this long, so that jetbox_invalid_rows_total{action=\"stop\"} reaches Prometheus (a restart would stop on the same row); 0: exit at once (default: ${default})." group:"ops" placeholder:"DURATION"`
+	PprofAddr        string `name:"pprof-addr" env:"JETBOX_PPROF_ADDR" help:"Serve Go's net/http/pprof on this address, for profiling (no authentication: never expose it); empty disables." group:"ops"`
 
 	IDColumn            string `name:"id-column" env:"JETBOX_ID_COLUMN" default:"${default_id_column}" help:"Row id column (uuid or text): Nats-Msg-Id." group:"columns"`
 	AggregateTypeColumn string `name:"aggregate-type-column" env:"JETBOX_AGGREGATE_TYPE_COLUMN" default:"${default_aggregate_type_column}" help:"Aggregate type column (text)." group:"columns"`
