@@ -326,7 +326,8 @@ type pgSlotReader struct {
 // standbySlotsSQL reads the walsender's sent_lsn and, per named slot (in
 // order), its type, whether a standby streams from it, restart_lsn and the
 // lag behind the primary's flush position.
-const standbySlotsSQL = `SELECT (SELECT sent_lsn::text FROM pg_stat_replication WHERE pid = $2), n.name,
+const standbySlotsSQL = `SELECT (SELECT sent_lsn::text FROM pg_stat_replication WHERE pid = $2),
+	EXISTS (SELECT 1 FROM pg_stat_replication WHERE pid = $2), n.name,
 	s.slot_name IS NOT NULL, coalesce(s.slot_type = 'physical', false), coalesce(s.active, false),
 	coalesce(s.restart_lsn, '0/0')::text, coalesce(pg_wal_lsn_diff(pg_current_wal_flush_lsn(), s.restart_lsn), 0)::bigint,
 	CASE WHEN s.wal_status = 'lost' THEN 'wal_removed' ELSE '' END
@@ -339,10 +340,11 @@ func (r *pgSlotReader) read(ctx context.Context) (slotReading, error) {
 	}
 	var rd slotReading
 	var sent *string
+	var found bool
 	for rows.Next() {
 		var p slotPos
 		var flush string
-		if err := rows.Scan(&sent, &p.name, &p.exists, &p.phys, &p.active, &flush, &p.lag, &p.invalidReason); err != nil {
+		if err := rows.Scan(&sent, &found, &p.name, &p.exists, &p.phys, &p.active, &flush, &p.lag, &p.invalidReason); err != nil {
 			rows.Close()
 			return slotReading{}, fmt.Errorf("read the standbys' slots (--wait-for-standby-slots): %w", err)
 		}
@@ -356,8 +358,13 @@ func (r *pgSlotReader) read(ctx context.Context) (slotReading, error) {
 		return slotReading{}, fmt.Errorf("read the standbys' slots (--wait-for-standby-slots): %w", err)
 	}
 	if sent == nil {
-		return slotReading{}, &PermanentError{Err: fmt.Errorf("--wait-for-standby-slots: pg_stat_replication shows no sent_lsn for jetbox's walsender (pid %d) to this role", r.pid),
-			Hint: "connect with the role of the replication connection, or GRANT pg_read_all_stats TO it"}
+		if !found {
+			// Another server than the walsender's (a multi-host URL during
+			// a failover), or the walsender is gone: a new session.
+			return slotReading{}, fmt.Errorf("--wait-for-standby-slots: no walsender with pid %d on the server the slots are read from", r.pid)
+		}
+		return slotReading{}, &PermanentError{Err: fmt.Errorf("--wait-for-standby-slots: pg_stat_replication shows this role no sent_lsn of jetbox's walsender (pid %d)", r.pid),
+			Hint: "GRANT pg_read_all_stats TO the role of --postgres-url (PostgreSQL shows walsender positions only to roles with its privileges)"}
 	}
 	if rd.sent, err = pglogrepl.ParseLSN(*sent); err != nil {
 		return slotReading{}, fmt.Errorf("parse sent_lsn: %w", err)

@@ -22,6 +22,17 @@ func (c *checker) standbySlots() {
 			"point --postgres-url at the primary, or leave --wait-for-standby-slots empty")
 		return
 	}
+	// The walsender's sent_lsn (pg_stat_replication) shows only to roles
+	// with the privileges of pg_read_all_stats (superusers have them).
+	var stats bool
+	if err := c.conn.QueryRow(c.ctx, "SELECT pg_has_role(current_user, 'pg_read_all_stats', 'USAGE')").Scan(&stats); err != nil {
+		c.fail("postgres.wait_for_standby_slots", err)
+		return
+	}
+	if !stats {
+		c.l.Add(check.Error, "postgres.wait_for_standby_slots", "--wait-for-standby-slots reads jetbox's walsender position (sent_lsn in pg_stat_replication), which PostgreSQL shows only to roles with the privileges of pg_read_all_stats",
+			"GRANT pg_read_all_stats TO "+pgx.Identifier{c.user()}.Sanitize())
+	}
 	rows, err := c.conn.Query(c.ctx, `SELECT n.name, s.slot_type, coalesce(s.active, false), s.restart_lsn IS NOT NULL, coalesce(s.wal_status, ''),
 		current_setting('server_version_num')::int
 		FROM unnest($1::text[]) WITH ORDINALITY AS n(name, i) LEFT JOIN pg_replication_slots s ON s.slot_name = n.name ORDER BY n.i`, names)

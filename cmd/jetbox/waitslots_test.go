@@ -291,6 +291,26 @@ func TestWaitForStandbySlotsSetupProblems(t *testing.T) {
 			t.Fatalf("check output lacks %q:\n%s", want, text)
 		}
 	}
+	// A role without pg_read_all_stats cannot see the walsender's sent_lsn.
+	f.pg.Exec(t, "SELECT pg_create_physical_replication_slot('phys1', true)")
+	f.pg.Exec(t, "CREATE ROLE plain LOGIN REPLICATION")
+	plainURL := fmt.Sprintf("postgres://plain@127.0.0.1:%d/postgres?sslmode=disable", f.pg.Port())
+	for _, grant := range []bool{false, true} {
+		if grant {
+			f.pg.Exec(t, "GRANT pg_read_all_stats TO plain")
+		}
+		out.Reset()
+		errOut.Reset()
+		realMain([]string{"check", "--postgres-url=" + plainURL, "--nats-url=" + f.natURL, "--wait-for-standby-slots=phys1"}, &out, &errOut)
+		text := out.String() + errOut.String()
+		if has := strings.Contains(text, `GRANT pg_read_all_stats TO "plain"`); has == grant {
+			t.Fatalf("granted %v: check output mentions the grant: %v:\n%s", grant, has, text)
+		}
+		if !strings.Contains(text, "only once the standbys of phys1 flushed it") {
+			t.Fatalf("check output does not list phys1:\n%s", text)
+		}
+	}
+
 	p := f.start("JETBOX_WAIT_FOR_STANDBY_SLOTS=nosuch,not_a_standby")
 	if code := p.wait(time.Minute); code != exitConfig {
 		t.Fatalf("exit %d, want %d:\n%s", code, exitConfig, p.tail(4096))
