@@ -406,13 +406,13 @@ func (f *RunFlags) timings(p *problems) timings {
 // standbySlots reads --wait-for-standby-slots and its timeout and policy.
 func (f *RunFlags) standbySlots(p *problems, slot string) replication.StandbySlotsConfig {
 	var c replication.StandbySlotsConfig
-	names, err := replication.ParseStandbySlots(f.WaitStandbySlots)
+	names, err := replication.ParseStandbySlots(f.WaitSlots)
 	if err != nil {
-		p.bad("wait-for-standby-slots", f.WaitStandbySlots, err.Error(), "give the physical slot names of the standbys, comma-separated (SELECT slot_name FROM pg_replication_slots WHERE slot_type = 'physical' on the primary)")
+		p.bad("wait-for-standby-slots", f.WaitSlots, err.Error(), "give the physical slot names of the standbys, comma-separated (SELECT slot_name FROM pg_replication_slots WHERE slot_type = 'physical' on the primary)")
 	}
 	for _, n := range names {
 		if n == slot {
-			p.bad("wait-for-standby-slots", f.WaitStandbySlots, fmt.Sprintf("names jetbox's own logical slot %q", n), "name the standbys' physical slots, not --slot")
+			p.bad("wait-for-standby-slots", f.WaitSlots, fmt.Sprintf("names jetbox's own logical slot %q", n), "name the standbys' physical slots, not --slot")
 		}
 	}
 	c.Slots = names
