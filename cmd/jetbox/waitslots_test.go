@@ -17,12 +17,18 @@ import (
 
 // slowStandby starts a streaming standby of f's primary (physical slot
 // standby1) whose replication connection runs through a proxy, which the
-// test can delay or pause.
+// test can delay or pause; on 17+ the primary does not wait for it itself.
 func slowStandby(t *testing.T, f *fixture) (*testenv.Postgres, *testenv.Proxy) {
 	t.Helper()
 	proxy := testenv.StartProxy(t, fmt.Sprintf("127.0.0.1:%d", f.pg.Port()))
 	sb := testenv.StartStandby(t, f.pg, fmt.Sprintf("primary_conninfo=host=127.0.0.1 port=%d user=postgres dbname=postgres application_name=standby1", proxy.Port()),
 		"wal_receiver_status_interval=1s")
+	if f.pg.Major(t) >= 17 {
+		// StartStandby makes the primary wait for the standby itself
+		// (synchronized_standby_slots): these tests measure jetbox's wait.
+		f.pg.Exec(t, "ALTER SYSTEM SET synchronized_standby_slots = ''")
+		f.pg.Exec(t, "SELECT pg_reload_conf()")
+	}
 	return sb, proxy
 }
 
@@ -308,6 +314,10 @@ func TestWaitForStandbySlotsSetupProblems(t *testing.T) {
 		}
 		if !strings.Contains(text, "only once the standbys of phys1 flushed it") {
 			t.Fatalf("check output does not list phys1:\n%s", text)
+		}
+		// 17+: the server's own setting does it.
+		if hint := strings.Contains(text, "ALTER SYSTEM SET synchronized_standby_slots = 'phys1'"); hint != (f.pg.Major(t) >= 17) {
+			t.Fatalf("PostgreSQL %d: check hints at synchronized_standby_slots: %v:\n%s", f.pg.Major(t), hint, text)
 		}
 	}
 
