@@ -32,6 +32,7 @@ type loop struct {
 	sent       pglogrepl.LSN
 	txLSN      pglogrepl.LSN // commit LSN of the transaction being read, once it has events; 0 otherwise
 	gate       *recoveryGate // on a standby: holds back what a promotion would mislabel; nil otherwise
+	slots      *standbyGate  // --wait-for-standby-slots: holds back what the standbys lack; nil otherwise
 }
 
 func (l *loop) run(ctx context.Context) error {
@@ -161,6 +162,9 @@ func (l *loop) handle(ctx context.Context, data []byte) error {
 			if err := l.gate.pass(ctx, uint64(msg.Event.CommitLSN)); err != nil {
 				return err
 			}
+			if err := l.slots.pass(ctx, msg.Event.CommitLSN, l.whileBlocked); err != nil {
+				return err
+			}
 			l.txLSN = msg.Event.CommitLSN
 			return l.publish(ctx, &msg.Event)
 		case decoder.KindCommit:
@@ -237,6 +241,26 @@ func (l *loop) publish(ctx context.Context, ev *decoder.Event) error {
 		}
 		l.lastRecv = time.Now() // not reading while blocked: not a sign of a dead server
 	}
+}
+
+// whileBlocked keeps the session alive while the loop waits without
+// reading (the standby slot gate): standby status when due, and the
+// monitor's reasons to stop or reconnect.
+func (l *loop) whileBlocked() error {
+	if !time.Now().Before(l.nextStatus) {
+		if err := l.sendStatus(false); err != nil {
+			return err
+		}
+	}
+	select {
+	case err := <-l.s.fatal:
+		return err
+	case err := <-l.s.restart:
+		return err
+	default:
+	}
+	l.lastRecv = time.Now() // not reading while blocked: not a sign of a dead server
+	return nil
 }
 
 // send publishes one tracked event; every outcome resolves its ticket.

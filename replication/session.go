@@ -94,6 +94,11 @@ func (s *Streamer) replicate(ctx context.Context) (err error) {
 		}
 		defer gate.close()
 	}
+	slots, err := s.openStandbyGate(sctx, conn.PID())
+	if err != nil {
+		return err
+	}
+	defer slots.close()
 	source := sourceOf(sys, s.cfg.Slot)
 	args := []string{"proto_version '1'", "publication_names " + quoteLiteral(quoteIdent(s.cfg.Publication))}
 	if s.cfg.Decoder.MessagePrefix != "" {
@@ -115,6 +120,7 @@ func (s *Streamer) replicate(ctx context.Context) (err error) {
 		start:   start,
 		replay:  replay,
 		gate:    gate,
+		slots:   slots,
 		// The first status goes out as the loop starts (run), or
 		// meanwhile if opening the sink takes longer than an interval.
 		nextStatus: time.Now().Add(s.cfg.StatusInterval),

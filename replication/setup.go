@@ -37,6 +37,7 @@ func Check(ctx context.Context, connString string, cfg Config) ([]check.Finding,
 	c.membership(pubExists)
 	c.repairMarker()
 	c.failover()
+	c.standbySlots()
 	c.orderIndex(tableOK)
 	return l, nil
 }

@@ -56,6 +56,9 @@ type Config struct {
 	// CreatedAtColumn is the insert-time column jetbox repair and jetbox
 	// audit page the outbox by (check says when no index leads with it).
 	CreatedAtColumn string
+	// StandbySlots: publish a transaction only once these standbys'
+	// physical slots flushed it (--wait-for-standby-slots).
+	StandbySlots StandbySlotsConfig
 }
 
 func (c Config) qualifiedTable() string { return c.Decoder.Schema + "." + c.Decoder.Table }
@@ -86,6 +89,8 @@ type Streamer struct {
 	// member is the outbox's membership in the publication read by the
 	// first session (nil until then), for later sessions and the monitor.
 	member atomic.Pointer[membership]
+	// standbySlots is the --wait-for-standby-slots gate's state (nil: none).
+	standbySlots atomic.Pointer[StandbySlotState]
 }
 
 // New returns a streamer for the database at connString.
@@ -114,6 +119,12 @@ func New(connString string, cfg Config, sink Sink, log zerolog.Logger) (*Streame
 	}
 	if cfg.Metrics == nil {
 		cfg.Metrics = metrics.New()
+	}
+	if cfg.StandbySlots.Timeout <= 0 {
+		cfg.StandbySlots.Timeout = DefaultStandbySlotTimeout
+	}
+	if cfg.StandbySlots.OnTimeout == "" {
+		cfg.StandbySlots.OnTimeout = StandbySlotWait
 	}
 	cfg.Metrics.DeclareStates(States())
 	if cc.ConnectTimeout == 0 {

@@ -113,6 +113,7 @@ func (f *RunFlags) Config() (Config, error) {
 	allowRouting := p.boolean("allow-routing-change", f.AllowRouting)
 	deadLetter := f.deadLetterSubject(p.bad)
 	level := f.logging(p.bad)
+	standbySlots := f.standbySlots(p, f.Slot)
 	if err := p.err(); err != nil {
 		return Config{}, err
 	}
@@ -141,6 +142,7 @@ func (f *RunFlags) Config() (Config, error) {
 		AllowRoutingChange: allowRouting,
 		PrimaryURL:         f.PrimaryURL,
 		CreatedAtColumn:    f.CreatedAtColumn,
+		StandbySlots:       standbySlots,
 	}
 	c.Sink = sink.Config{Stream: f.Stream, SubjectPrefix: f.SubjectPrefix, DuplicateWindow: dupWindow, StreamSpec: spec,
 		PublishTimeout: t.publish, MaxPending: l.inFlight, MaxControlLine: l.controlLine, Delivery: delivery, DeadLetterSubject: deadLetter,
@@ -399,6 +401,29 @@ func (f *RunFlags) timings(p *problems) timings {
 		p.bad("postgres-timeout", f.PostgresTimeout, "shorter than 3 status intervals", "raise --postgres-timeout or lower --status-interval")
 	}
 	return t
+}
+
+// standbySlots reads --wait-for-standby-slots and its timeout and policy.
+func (f *RunFlags) standbySlots(p *problems, slot string) replication.StandbySlotsConfig {
+	var c replication.StandbySlotsConfig
+	names, err := replication.ParseStandbySlots(f.WaitSlots)
+	if err != nil {
+		p.bad("wait-for-standby-slots", f.WaitSlots, err.Error(), "give the physical slot names of the standbys, comma-separated (SELECT slot_name FROM pg_replication_slots WHERE slot_type = 'physical' on the primary)")
+	}
+	for _, n := range names {
+		if n == slot {
+			p.bad("wait-for-standby-slots", f.WaitSlots, fmt.Sprintf("names jetbox's own logical slot %q", n), "name the standbys' physical slots, not --slot")
+		}
+	}
+	c.Slots = names
+	c.Timeout = p.dur("standby-slot-timeout", f.StandbySlotWait, 100*time.Millisecond, time.Hour)
+	switch f.OnStandbySlot {
+	case replication.StandbySlotWait, replication.StandbySlotPublish:
+		c.OnTimeout = f.OnStandbySlot
+	default:
+		p.bad("on-standby-slot-timeout", f.OnStandbySlot, "unknown policy", "use wait (the default: nothing a promoted standby may lack is published) or publish (go on without the guarantee)")
+	}
+	return c
 }
 
 // auditLoop reads the continuous audit's flags.

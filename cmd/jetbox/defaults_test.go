@@ -67,6 +67,8 @@ func TestFlagDefaults(t *testing.T) {
 		{"--shutdown-timeout", cfg.Replication.ShutdownTimeout, replication.DefaultShutdownTimeout},
 		{"--standby-retry", cfg.Replication.StandbyRetry, replication.DefaultStandbyRetry},
 		{"--monitor-interval", cfg.Replication.MonitorInterval, replication.DefaultMonitorInterval},
+		{"--standby-slot-timeout", cfg.Replication.StandbySlots.Timeout, replication.DefaultStandbySlotTimeout},
+		{"--on-standby-slot-timeout", cfg.Replication.StandbySlots.OnTimeout, replication.StandbySlotWait},
 		{"the column flags", cfg.Replication.Decoder.Columns, decoder.DefaultColumns},
 		{"--delivery", cfg.Sink.Delivery.ExactlyOnce(), DefaultDelivery == "exactly-once"},
 	} {

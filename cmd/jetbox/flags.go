@@ -40,6 +40,7 @@ var flagVars = map[string]string{
 	"default_shutdown_timeout":      durationText(replication.DefaultShutdownTimeout),
 	"default_standby_retry":         durationText(replication.DefaultStandbyRetry),
 	"default_monitor_interval":      durationText(replication.DefaultMonitorInterval),
+	"default_standby_slot_timeout":  durationText(replication.DefaultStandbySlotTimeout),
 }
 
 // durationText is d as a flag default is written: 2m rather than 2m0s.
@@ -85,6 +86,9 @@ type RunFlags struct {
 	PostgresURL     string `name:"postgres-url" env:"JETBOX_POSTGRES_URL" help:"Postgres libpq URL or DSN (PG* variables and sslmode work). Required." placeholder:"URL" group:"postgres"`
 	PrimaryURL      string `name:"primary-url" env:"JETBOX_PRIMARY_URL" help:"When --postgres-url is a hot standby (PostgreSQL 16+): its primary's URL, same database, for what a standby cannot do (create the publication, heartbeats, standby snapshots while the slot is created). Optional." placeholder:"URL" group:"postgres"`
 	StandbyURLs     string `name:"standby-urls" env:"JETBOX_STANDBY_URLS" help:"PostgreSQL 17+ standbys that synchronise jetbox's failover slot, comma-separated libpq URLs (one host each): the instance that streams reads there every --monitor-interval whether the slot's copy is persisted (jetbox_failover_slot_ready, /readyz, jetbox check) and asks them to synchronise it (pg_sync_replication_slots()) while it is not." placeholder:"URLS" group:"postgres"`
+	WaitSlots       string `name:"wait-for-standby-slots" env:"JETBOX_WAIT_FOR_STANDBY_SLOTS" help:"Physical replication slots of standbys, comma-separated: publish a transaction only once each of them has flushed it, so a promoted standby holds every row jetbox published (PostgreSQL 14-16; on 17+ the server's synchronized_standby_slots does this for failover slots). The slots must exist on the primary." placeholder:"SLOTS" group:"postgres"`
+	StandbySlotWait string `name:"standby-slot-timeout" env:"JETBOX_STANDBY_SLOT_TIMEOUT" default:"${default_standby_slot_timeout}" help:"With --wait-for-standby-slots: after a transaction has waited this long for the standbys, warn (log, jetbox_standby_slot_waiting, /readyz) and apply --on-standby-slot-timeout (default: ${default})." group:"postgres" placeholder:"DURATION"`
+	OnStandbySlot   string `name:"on-standby-slot-timeout" env:"JETBOX_ON_STANDBY_SLOT_TIMEOUT" default:"wait" help:"With --wait-for-standby-slots, once --standby-slot-timeout passed: wait (keep waiting for the standbys: the stream stops while they are down) or publish (go on without the guarantee until they catch up; jetbox_standby_slot_unguarded is 1)." group:"postgres"`
 	NatsURL         string `name:"nats-url" env:"JETBOX_NATS_URL" default:"${default_nats_url}" help:"NATS server URL(s), comma-separated." group:"nats"`
 	NatsContext     string `name:"nats-context" env:"JETBOX_NATS_CONTEXT" help:"A nats CLI context (its name, or the path of its file) for the NATS URL, credentials and TLS; the --nats-* flags given override it." placeholder:"NAME" group:"nats"`
 	NatsStoreDir    string `name:"nats-store-dir" env:"JETBOX_NATS_STORE_DIR" help:"With --nats-url=embedded: the JetStream store directory (required)." placeholder:"DIR" group:"nats"`

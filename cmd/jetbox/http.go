@@ -116,12 +116,31 @@ func (o *opsServer) ready(w http.ResponseWriter, req *http.Request) {
 			r.Warnings = append(r.Warnings, w)
 		}
 		r.Warnings = append(r.Warnings, o.slots.Load().Warnings()...)
+		r.Warnings = append(r.Warnings, standbySlotWarnings(s.StandbySlots())...)
 	}
 	w.Header().Set("Content-Type", "application/json")
 	if !r.Ready {
 		w.WriteHeader(http.StatusServiceUnavailable)
 	}
 	_ = json.NewEncoder(w).Encode(r)
+}
+
+// standbySlotWarnings are /readyz's warnings of --wait-for-standby-slots.
+func standbySlotWarnings(st replication.StandbySlotState) []string {
+	var w []string
+	switch {
+	case st.Waiting:
+		w = append(w, fmt.Sprintf("publishing waits for the standbys (--wait-for-standby-slots) since %s, longer than --standby-slot-timeout",
+			st.WaitingSince.UTC().Format(time.RFC3339)))
+	case st.Unguarded:
+		w = append(w, "publishing without waiting for the standbys (--on-standby-slot-timeout=publish): a failover may leave events whose rows the promoted standby lacks")
+	default:
+		return nil
+	}
+	for _, b := range st.Behind {
+		w = append(w, "standby slot: "+b)
+	}
+	return w
 }
 
 // natsConnected reports whether the NATS connection is up now.

@@ -476,6 +476,18 @@ var alertScenarios = []struct {
 		jetbox_failover_slot_ready{job="jetbox", instance="a", standby="pg-1:5432"} 1x30
 		jetbox_failover_slot_ready{job="jetbox", instance="a", standby="pg-2:5432"} 0x30
 	`, []string{"JetboxFailoverSlotNotReady"}},
+	{"publishing waits for a standby of --wait-for-standby-slots", `
+		up{job="jetbox", instance="a"} 1x30
+		STATE a streaming
+		jetbox_standby_slot_waiting{job="jetbox", instance="a"} 0x20 1x10
+		jetbox_standby_slot_unguarded{job="jetbox", instance="a"} 0x30
+	`, []string{"JetboxStandbySlotWaiting"}},
+	{"publishing without waiting for a standby", `
+		up{job="jetbox", instance="a"} 1x30
+		STATE a streaming
+		jetbox_standby_slot_waiting{job="jetbox", instance="a"} 0x30
+		jetbox_standby_slot_unguarded{job="jetbox", instance="a"} 0x29 1
+	`, []string{"JetboxStandbySlotUnguarded"}},
 	{"flapping NATS connection", `
 		up{job="jetbox", instance="a"} 1x30
 		STATE a streaming

@@ -58,6 +58,18 @@ type Metrics struct {
 	// synchronised, persisted copy of the slot, 0 otherwise; exported by the
 	// instance that streams only.
 	FailoverSlotReady *prometheus.GaugeVec
+	// StandbySlotLag is, per slot of --wait-for-standby-slots, the
+	// primary's flush position minus the slot's restart_lsn (its standby's
+	// flush), read while a transaction waits for it.
+	StandbySlotLag *prometheus.GaugeVec
+	// StandbySlotWaiting is 1 while publishing has waited longer than
+	// --standby-slot-timeout for the standbys' slots.
+	StandbySlotWaiting prometheus.Gauge
+	// StandbySlotUnguarded is 1 while jetbox publishes without waiting for
+	// the standbys (--on-standby-slot-timeout=publish after a timeout).
+	StandbySlotUnguarded prometheus.Gauge
+	// StandbySlotWait is how long transactions waited for the standbys.
+	StandbySlotWait prometheus.Histogram
 	// BuildInfo is jetbox_build_info{version,revision,goversion} 1 (SetBuild).
 	BuildInfo *prometheus.GaugeVec
 
@@ -123,6 +135,15 @@ func New() *Metrics {
 			Help: "Continuous audits per result: complete, found (missing, duplicated or out of order), undecided (the window cannot be judged), error."}, []string{"result"}),
 		FailoverSlotReady: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "jetbox_failover_slot_ready",
 			Help: "1 while the standby (--standby-urls) holds a synchronised, persisted copy of the slot (a promotion of it keeps the slot); 0 while the copy is missing or temporary, or the standby is unreachable. Exported by the instance that streams."}, []string{"standby"}),
+		StandbySlotLag: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "jetbox_standby_slot_lag_bytes",
+			Help: "Per slot of --wait-for-standby-slots: the primary's WAL flush position minus the slot's restart_lsn (its standby's flush), as read while a transaction waited for it."}, []string{"slot"}),
+		StandbySlotWaiting: prometheus.NewGauge(prometheus.GaugeOpts{Name: "jetbox_standby_slot_waiting",
+			Help: "1 while publishing has waited longer than --standby-slot-timeout for the standbys of --wait-for-standby-slots (nothing is published meanwhile)."}),
+		StandbySlotUnguarded: prometheus.NewGauge(prometheus.GaugeOpts{Name: "jetbox_standby_slot_unguarded",
+			Help: "1 while jetbox publishes without waiting for the standbys of --wait-for-standby-slots (--on-standby-slot-timeout=publish, after a timeout): a failover may leave events whose rows the promoted standby lacks."}),
+		StandbySlotWait: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "jetbox_standby_slot_wait_seconds",
+			Help:    "How long transactions waited for the standbys of --wait-for-standby-slots (those that waited at all).",
+			Buckets: []float64{.0005, .001, .002, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60}}),
 		BuildInfo: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "jetbox_build_info",
 			Help: "Always 1: the version and VCS revision jetbox was built from, and the Go version."}, []string{"version", "revision", "goversion"}),
 	}
@@ -132,7 +153,7 @@ func New() *Metrics {
 	r.MustRegister(m.Published, m.Duplicates, m.PublishErrors, m.Retries, m.InFlight, m.ConfirmedLSN, m.ServerLSN,
 		m.LagBytes, m.RetainedWAL, m.RetainedOver, m.Latency, m.Transactions, m.Reconnects, m.Heartbeats, m.State, m.InvalidRows, m.SpansDropped, m.IgnoredMessages,
 		m.AuditMissing, m.AuditDuplicates, m.AuditOutOfOrder, m.AuditCompleteUntil, m.AuditRuns,
-		m.FailoverSlotReady, m.BuildInfo, sinceAck, collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+		m.FailoverSlotReady, m.StandbySlotLag, m.StandbySlotWaiting, m.StandbySlotUnguarded, m.StandbySlotWait, m.BuildInfo, sinceAck, collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.Reconnects.WithLabelValues("postgres")
 	m.Reconnects.WithLabelValues("nats")
 	m.SpansDropped.WithLabelValues("queue_full")

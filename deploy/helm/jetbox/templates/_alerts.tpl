@@ -103,6 +103,14 @@ groups:
   "expr" (printf "max by (namespace, job, standby) (jetbox_failover_slot_ready{%s}) == 0" $sel)
   "summary" "standby {{ $labels.standby }} holds no persisted copy of jetbox's slot: a promotion of it now loses the slot"
   "description" "jetbox_failover_slot_ready (--standby-urls, PostgreSQL 17+) is 0: the standby's synchronised copy is missing or still temporary (PostgreSQL drops a temporary copy at promotion), or jetbox cannot read it there. A promotion meanwhile makes jetbox stop with the lost-slot error until jetbox repair. See /readyz and jetbox check.") }}
+{{- $rules = append $rules (dict "name" "JetboxStandbySlotWaiting" "rule" $r.JetboxStandbySlotWaiting
+  "expr" (printf "max by (namespace, job) (jetbox_standby_slot_waiting{%s}) == 1" $sel)
+  "summary" "{{ $labels.job }} publishes nothing: it waits for a standby of --wait-for-standby-slots, longer than --standby-slot-timeout"
+  "description" "A standby named in --wait-for-standby-slots is down or lags (jetbox_standby_slot_lag_bytes): jetbox publishes no transaction that standby has not flushed, so the stream stops while the slot retains WAL. Bring the standby back, or drop its slot from --wait-for-standby-slots (or set --on-standby-slot-timeout=publish). See /readyz.") }}
+{{- $rules = append $rules (dict "name" "JetboxStandbySlotUnguarded" "rule" $r.JetboxStandbySlotUnguarded
+  "expr" (printf "max by (namespace, job) (jetbox_standby_slot_unguarded{%s}) == 1" $sel)
+  "summary" "{{ $labels.job }} publishes without waiting for the standbys of --wait-for-standby-slots"
+  "description" "--on-standby-slot-timeout=publish: a standby did not flush within --standby-slot-timeout, so jetbox publishes without the guarantee until it catches up. A failover to that standby now may leave events in the stream whose rows the promoted server lacks.") }}
 {{- $db := $p.database }}
 {{- if $db.source }}
 {{- $slot := $db.slot | default (index .Values.config "slot") | default "jetbox" }}
