@@ -85,25 +85,49 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 		log.Info().Str("url", cfg.NatsURL).Str("store_dir", cfg.NatsStoreDir).Msg("embedded NATS server started")
 	}
 
+	if cfg.LostSlot.Repair {
+		cfg.Metrics.InitRepairs(repairCauses())
+		log.Info().Stringer("margin", cfg.LostSlot.Margin).Msg("--on-lost-slot=repair: a lost slot is repaired from the table by the instance that finds it")
+	}
+	repairs := newAutoRepairs(cfg, log, stdout, stderr)
+	for {
+		code, retry := runOnce(ctx, cfg, ops, repairs, log, stderr)
+		if !retry {
+			return code
+		}
+	}
+}
+
+// runOnce is one run from the preflight to the stop: retry says a lost slot
+// was repaired (or another instance's repair waited for) and the run
+// starts over; else code is the exit code.
+func runOnce(ctx context.Context, cfg Config, ops *opsServer, repairs *autoRepairs, log zerolog.Logger, stderr io.Writer) (code int, retry bool) {
 	nc, pub, err := preflight(ctx, cfg, log)
 	if err != nil {
 		if ctx.Err() != nil {
-			return exitOK
+			return exitOK, false
+		}
+		if again, rerr := repairs.handle(ctx, err); again || ctx.Err() != nil {
+			return exitOK, again
+		} else if rerr != err {
+			log.Error().Err(rerr).Msg("repair failed")
+			fmt.Fprintln(stderr, "jetbox:", rerr)
+			return exitConfig, false
 		}
 		printRunProblems(stderr, !cfg.LogConsole, "set-up", err)
 		log.Error().Err(err).Msg("set-up failed")
-		return exitConfig
+		return exitConfig, false
 	}
 	defer nc.Close()
 
 	if err := limitDecoder(ctx, &cfg, pub, log); err != nil {
 		fmt.Fprintln(stderr, "jetbox:", err)
-		return exitFailure
+		return exitFailure, false
 	}
 	streamer, err := replication.New(cfg.PostgresURL, cfg.Replication, sinkAdapter{p: pub, atomic: cfg.Sink.Delivery.Atomic()}, log)
 	if err != nil {
 		log.Error().Err(err).Msg("start replication")
-		return exitConfig
+		return exitConfig, false
 	}
 	var audits *auditLoop
 	if cfg.Audit.Interval > 0 {
@@ -127,7 +151,18 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 		log.Warn().Msg("--order-guard=false: after a lost publish, later events may be stored before it is republished (out of commit order)")
 	}
 	err = streamAndAudit(ctx, streamer, pub, audits, slots)
-	return runExit(ctx, err, cfg, pub, streamer, ops, log, stderr)
+	if ctx.Err() == nil {
+		again, rerr := repairs.handle(ctx, err)
+		if again || ctx.Err() != nil {
+			return exitOK, again
+		}
+		if rerr != err {
+			log.Error().Err(rerr).Msg("repair failed")
+			fmt.Fprintln(stderr, "jetbox:", rerr)
+			return exitConfig, false
+		}
+	}
+	return runExit(ctx, err, cfg, pub, streamer, ops, log, stderr), false
 }
 
 // errNATSClosed stops the streamer when the NATS connection is CLOSED.

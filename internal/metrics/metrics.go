@@ -58,6 +58,9 @@ type Metrics struct {
 	// synchronised, persisted copy of the slot, 0 otherwise; exported by the
 	// instance that streams only.
 	FailoverSlotReady *prometheus.GaugeVec
+	// Repairs counts the repairs jetbox run started on its own
+	// (--on-lost-slot=repair), per cause of the lost slot (InitRepairs).
+	Repairs *prometheus.CounterVec
 	// BuildInfo is jetbox_build_info{version,revision,goversion} 1 (SetBuild).
 	BuildInfo *prometheus.GaugeVec
 
@@ -123,6 +126,8 @@ func New() *Metrics {
 			Help: "Continuous audits per result: complete, found (missing, duplicated or out of order), undecided (the window cannot be judged), error."}, []string{"result"}),
 		FailoverSlotReady: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "jetbox_failover_slot_ready",
 			Help: "1 while the standby (--standby-urls) holds a synchronised, persisted copy of the slot (a promotion of it keeps the slot); 0 while the copy is missing or temporary, or the standby is unreachable. Exported by the instance that streams."}, []string{"standby"}),
+		Repairs: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "jetbox_repairs_total",
+			Help: "Repairs jetbox run started on its own (--on-lost-slot=repair), per cause: promotion (the slot is missing on a promoted server), invalidated, dropped, unfinished-repair (an interrupted repair resumed)."}, []string{"cause"}),
 		BuildInfo: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "jetbox_build_info",
 			Help: "Always 1: the version and VCS revision jetbox was built from, and the Go version."}, []string{"version", "revision", "goversion"}),
 	}
@@ -132,7 +137,7 @@ func New() *Metrics {
 	r.MustRegister(m.Published, m.Duplicates, m.PublishErrors, m.Retries, m.InFlight, m.ConfirmedLSN, m.ServerLSN,
 		m.LagBytes, m.RetainedWAL, m.RetainedOver, m.Latency, m.Transactions, m.Reconnects, m.Heartbeats, m.State, m.InvalidRows, m.SpansDropped, m.IgnoredMessages,
 		m.AuditMissing, m.AuditDuplicates, m.AuditOutOfOrder, m.AuditCompleteUntil, m.AuditRuns,
-		m.FailoverSlotReady, m.BuildInfo, sinceAck, collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+		m.FailoverSlotReady, m.Repairs, m.BuildInfo, sinceAck, collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.Reconnects.WithLabelValues("postgres")
 	m.Reconnects.WithLabelValues("nats")
 	m.SpansDropped.WithLabelValues("queue_full")
@@ -163,6 +168,15 @@ func (m *Metrics) InitLabels(reasons, deadLetter, ignored []string) {
 	}
 	for _, r := range ignored {
 		m.IgnoredMessages.WithLabelValues(r)
+	}
+}
+
+// InitRepairs creates jetbox_repairs_total's series for each cause at 0
+// (jetbox run with --on-lost-slot=repair), so that the first repair is an
+// increase an alert sees.
+func (m *Metrics) InitRepairs(causes []string) {
+	for _, c := range causes {
+		m.Repairs.WithLabelValues(c)
 	}
 }
 
