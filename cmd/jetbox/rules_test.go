@@ -23,7 +23,7 @@ var updateAlerts = flag.Bool("update-alerts", false, "rewrite deploy/prometheus/
 var (
 	jetboxRules = []string{"JetboxDown", "JetboxAllDown", "JetboxNotStreaming", "JetboxStandbyWithoutActive", "JetboxStalled",
 		"JetboxNoRecentAck", "JetboxLagHigh", "JetboxRetainedWAL", "JetboxInvalidRows", "JetboxPublishFailing", "JetboxSlowDelivery", "JetboxReconnecting",
-		"JetboxAuditGap", "JetboxAuditStalled", "JetboxFailoverSlotNotReady"}
+		"JetboxAuditGap", "JetboxAuditStalled", "JetboxFailoverSlotNotReady", "JetboxAutomaticRepair"}
 	databaseRules = []string{"JetboxSlotRetainedWAL", "JetboxSlotInactive"}
 )
 

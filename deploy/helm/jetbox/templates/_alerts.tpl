@@ -103,6 +103,11 @@ groups:
   "expr" (printf "max by (namespace, job, standby) (jetbox_failover_slot_ready{%s}) == 0" $sel)
   "summary" "standby {{ $labels.standby }} holds no persisted copy of jetbox's slot: a promotion of it now loses the slot"
   "description" "jetbox_failover_slot_ready (--standby-urls, PostgreSQL 17+) is 0: the standby's synchronised copy is missing or still temporary (PostgreSQL drops a temporary copy at promotion), or jetbox cannot read it there. A promotion meanwhile makes jetbox stop with the lost-slot error until jetbox repair. See /readyz and jetbox check.") }}
+{{- $x = $r.JetboxAutomaticRepair }}
+{{- $rules = append $rules (dict "name" "JetboxAutomaticRepair" "rule" $x
+  "expr" (printf "sum by (namespace, job, cause) (increase(jetbox_repairs_total{%s}[%s])) > 0" $sel $x.window)
+  "summary" "jetbox {{ $labels.job }} repaired a lost slot on its own (cause {{ $labels.cause }})"
+  "description" "--on-lost-slot=repair: the slot was lost (a promotion to a server without it, an invalidation, a drop) or a repair was interrupted, and jetbox re-published from the table the rows the stream missed, then streamed on. Check the log (repair: done, rows republished) and, after a promotion, whether the stream holds rows the promoted server lacks (docs/operations.md). Repeated: a flapping primary.") }}
 {{- $db := $p.database }}
 {{- if $db.source }}
 {{- $slot := $db.slot | default (index .Values.config "slot") | default "jetbox" }}
