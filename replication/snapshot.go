@@ -116,7 +116,7 @@ type Repair struct {
 
 	lock      *RepairLock // the repair lock held, if any (RepairOptions.Lock)
 	key       string      // SQL of the order key, a timestamptz
-	createdAt string // SQL of the created-at column, "" when the table has none
+	createdAt string      // SQL of the created-at column, "" when the table has none
 	margin    time.Duration
 	cols      []decoder.TableColumn
 	sel       string // the outbox columns, in cols order

@@ -107,12 +107,8 @@ func runOnce(ctx context.Context, cfg Config, ops *opsServer, repairs *autoRepai
 		if ctx.Err() != nil {
 			return exitOK, false
 		}
-		if again, rerr := repairs.handle(ctx, err); again || ctx.Err() != nil {
-			return exitOK, again
-		} else if rerr != err {
-			log.Error().Err(rerr).Msg("repair failed")
-			fmt.Fprintln(stderr, "jetbox:", rerr)
-			return exitConfig, false
+		if code, retry, done := repairLost(ctx, repairs, err, log, stderr); done {
+			return code, retry
 		}
 		printRunProblems(stderr, !cfg.LogConsole, "set-up", err)
 		log.Error().Err(err).Msg("set-up failed")
@@ -152,17 +148,31 @@ func runOnce(ctx context.Context, cfg Config, ops *opsServer, repairs *autoRepai
 	}
 	err = streamAndAudit(ctx, streamer, pub, audits, slots)
 	if ctx.Err() == nil {
-		again, rerr := repairs.handle(ctx, err)
-		if again || ctx.Err() != nil {
-			return exitOK, again
-		}
-		if rerr != err {
-			log.Error().Err(rerr).Msg("repair failed")
-			fmt.Fprintln(stderr, "jetbox:", rerr)
-			return exitConfig, false
+		if code, retry, done := repairLost(ctx, repairs, err, log, stderr); done {
+			return code, retry
 		}
 	}
 	return runExit(ctx, err, cfg, pub, streamer, ops, log, stderr), false
+}
+
+// repairLost hands the error that ended a run to the automatic repairs:
+// done says the run ends here (with code, or retry: start over); else the
+// error is the run's to report.
+func repairLost(ctx context.Context, repairs *autoRepairs, err error, log zerolog.Logger, stderr io.Writer) (code int, retry, done bool) {
+	again, rerr := repairs.handle(ctx, err)
+	switch {
+	case again || ctx.Err() != nil:
+		return exitOK, again, true
+	case rerr == err:
+		return 0, false, false
+	}
+	log.Error().Err(rerr).Msg("stopped: the automatic repair cannot go on")
+	fmt.Fprintln(stderr, "jetbox:", rerr)
+	var ie *decoder.InvalidEventError
+	if errors.As(rerr, &ie) {
+		return exitFailure, false, true // as jetbox repair: fix the row and start again
+	}
+	return exitConfig, false, true
 }
 
 // errNATSClosed stops the streamer when the NATS connection is CLOSED.
