@@ -39,6 +39,12 @@ func LockRepair(ctx context.Context, connString, slot string) (*RepairLock, erro
 		return nil, fmt.Errorf("parse postgres URL: %w", err)
 	}
 	pcfg.RuntimeParams["application_name"] = "jetbox repair lock"
+	// The server probes the lock's connection: a holder cut off without
+	// its connection closing (a network cut, no FIN) loses the lock in
+	// about 25 s, not after the system's keepalive default (2 hours).
+	pcfg.RuntimeParams["tcp_keepalives_idle"] = "10"
+	pcfg.RuntimeParams["tcp_keepalives_interval"] = "5"
+	pcfg.RuntimeParams["tcp_keepalives_count"] = "3"
 	conn, err := pgx.ConnectConfig(ctx, pcfg)
 	if err != nil {
 		return nil, fmt.Errorf("%w: connect to postgres for the repair lock: %w", ErrUnreachable, err)
