@@ -136,7 +136,7 @@ func (a *autoRepairs) handle(ctx context.Context, cause error) (retry bool, err 
 		return sleep(ctx, retry), nil
 	case rerr == nil && !res.Repaired:
 		log.Info().Msg("repair: nothing to repair any more (another instance repaired the slot): streaming")
-		return true, nil
+		return sleep(ctx, a.cfg.Replication.StandbyRetry/2), nil // never a busy loop
 	case rerr == nil:
 		a.lastEnd = a.now()
 		log.Info().Str("cause", res.Cause).Int64("republished", res.Published).Int64("already_in_stream", res.Skipped).Stringer("elapsed", res.Elapsed.Round(time.Millisecond)).

@@ -189,6 +189,9 @@ func (r *repairer) run(ctx context.Context) (res repairResult, code int, err err
 		if !ok && aerr == nil {
 			return fail(exitOK, nil) // the history is whole: nothing to repair
 		}
+		if !ok && !errors.As(aerr, &he) && !replication.IsPermanent(aerr) {
+			return fail(exitFailure, aerr) // a server unreachable, a standby behind: again later
+		}
 		if !ok {
 			return fail(exitConfig, aerr)
 		}

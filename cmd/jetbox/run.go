@@ -95,6 +95,15 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 		if !retry {
 			return code
 		}
+		if ops != nil {
+			// The run's NATS connection is closed: /healthz must not
+			// report it while the next run starts (or stands by for a
+			// repair), nor /readyz its stopped streamer.
+			ops.nats.Store(nil)
+			ops.streamer.Store(nil)
+			ops.audit.Store(nil)
+			ops.slots.Store(nil)
+		}
 	}
 }
 
