@@ -144,10 +144,19 @@ func TestAutoRepairFailover(t *testing.T) {
 			t.Logf("%s: %d rows on the promoted server, each once (%d repaired); %d phantoms (old primary's rows the standby never got); promotion to the first message from the new primary %s (repaired or baseline: %v), to the first streamed event %s",
 				mode.name, len(want), repaired, phantoms, at(first), first.Header.Get("Jetbox-Repaired") == "true", at(firstStreamed))
 			if code := p.stop(); code != exitOK {
-				t.Fatalf("exit %d:\n%s", code, p.tail(4096))
+				t.Fatalf("exit %d:\n%s", code, raceOrTail(p))
 			}
 		})
 	}
+}
+
+// raceOrTail is the race detector's report in p's log, or its tail.
+func raceOrTail(p *proc) string {
+	log := p.logText()
+	if i := strings.Index(log, "WARNING: DATA RACE"); i >= 0 {
+		return log[i:min(len(log), i+8192)]
+	}
+	return p.tail(4096)
 }
 
 // lostSlotBacklog streams a few rows with jetbox run, stops it, drops the
