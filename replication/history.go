@@ -68,7 +68,29 @@ type HistoryError struct {
 	// NoTable: the outbox is logical decoding messages only
 	// (--source=messages), which no repair can re-read.
 	NoTable bool
+	// LostCause says, for CaseLostSlot, why the slot is not there:
+	// LostPromotion, LostInvalidated or LostDropped.
+	LostCause string
+	// Branched (CaseLostSlot, LostPromotion): the server's timeline left
+	// the stream's before the stream's last position, so the stream may
+	// hold rows this server never got.
+	Branched bool
 }
+
+// Causes of a lost slot (HistoryError.LostCause).
+const (
+	// LostPromotion: the slot is missing on a server of a later timeline
+	// than the stream's last message (a standby promoted without it).
+	LostPromotion = "promotion"
+	// LostInvalidated: the slot exists but Postgres invalidated it
+	// (wal_status lost, a conflict with recovery).
+	LostInvalidated = "invalidated"
+	// LostDropped: the slot is missing on the stream's own timeline.
+	LostDropped = "dropped"
+)
+
+// LostCauses returns every HistoryError.LostCause.
+func LostCauses() []string { return []string{LostPromotion, LostInvalidated, LostDropped} }
 
 func (e *HistoryError) Error() string {
 	next := "run `jetbox repair` with the same configuration to re-publish them from the table, then start jetbox again " +
@@ -140,9 +162,20 @@ func verify(ctx context.Context, tip StreamTip, haveTip bool, srv server, slot s
 				what = describeInvalidation(srv.lostCause)
 			}
 		}
-		return &HistoryError{Case: CaseLostSlot, Tip: tip, Detail: fmt.Sprintf(
+		he := &HistoryError{Case: CaseLostSlot, Tip: tip, LostCause: LostDropped, Detail: fmt.Sprintf(
 			"replication slot %q %s on this server (timeline %d) while the stream holds jetbox messages from it (a failover to a server without the slot, or the slot was dropped): a new slot would start at the server's current position",
 			slot, what, srv.sys.Timeline)}
+		switch {
+		case srv.lostSlot:
+			he.LostCause = LostInvalidated
+		case src.Timeline < srv.sys.Timeline:
+			he.LostCause = LostPromotion
+			he.Branched = branchedBefore(ctx, srv, src.Timeline, tip.CommitLSN)
+			if he.Branched {
+				he.Detail += fmt.Sprintf("; the server's timeline %d left the stream's timeline %d before the stream's last position %s: the stream may hold rows this server never got", srv.sys.Timeline, src.Timeline, tip.CommitLSN)
+			}
+		}
+		return he
 	}
 	if src.Timeline == srv.sys.Timeline {
 		if tip.CommitLSN >= srv.sys.XLogPos && srv.recovery {
@@ -182,6 +215,20 @@ func verify(ctx context.Context, tip StreamTip, haveTip bool, srv server, slot s
 			srv.sys.Timeline, src.Timeline, switchpoint, tip.CommitLSN)}
 	}
 	return nil
+}
+
+// branchedBefore reports whether the server's timeline history shows it
+// left timeline tl at or before lsn (false when it cannot tell).
+func branchedBefore(ctx context.Context, srv server, tl int32, lsn pglogrepl.LSN) bool {
+	if srv.history == nil {
+		return false
+	}
+	content, err := srv.history(ctx, srv.sys.Timeline)
+	if err != nil {
+		return false
+	}
+	switchpoint, found, err := branchPoint(content, tl)
+	return err == nil && found && switchpoint <= lsn
 }
 
 // branchPoint finds in a timeline history file where timeline tl ended

@@ -157,3 +157,45 @@ func TestAcceptLostRowsNeverPastAnUnfinishedRepair(t *testing.T) {
 		}
 	}
 }
+
+// TestLostCause: why a lost slot is lost (jetbox_repairs_total's cause),
+// and whether a promotion's timeline left the stream's before its tip (the
+// stream may then hold rows the promoted server never got).
+func TestLostCause(t *testing.T) {
+	hist := []byte("1\t0/3000100\tno recovery target specified\n")
+	sys := func(tl int32) pglogrepl.IdentifySystemResult {
+		return pglogrepl.IdentifySystemResult{SystemID: "42", Timeline: tl, XLogPos: 0x6000000, DBName: "app"}
+	}
+	withHistory := func(s server) server {
+		s.history = func(context.Context, int32) ([]byte, error) { return hist, nil }
+		return s
+	}
+	for _, c := range []struct {
+		name     string
+		tipLSN   pglogrepl.LSN
+		srv      server
+		cause    string
+		branched bool
+	}{
+		{"dropped on the stream's timeline", 0x3000000, server{sys: sys(1)}, LostDropped, false},
+		{"invalidated", 0x3000000, server{sys: sys(1), lostSlot: true, lostCause: "wal_removed"}, LostInvalidated, false},
+		{"promoted after the tip", 0x3000000, withHistory(server{sys: sys(2)}), LostPromotion, false},
+		{"promoted at the tip", 0x3000100, withHistory(server{sys: sys(2)}), LostPromotion, true},
+		{"promoted before the tip", 0x3000200, withHistory(server{sys: sys(2)}), LostPromotion, true},
+		{"promoted, no history to read", 0x3000200, server{sys: sys(2)}, LostPromotion, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			tip := StreamTip{Seq: 9, Origin: "42/1/app/jetbox", CommitLSN: c.tipLSN}
+			var he *HistoryError
+			if err := verify(context.Background(), tip, true, c.srv, "jetbox"); !errors.As(err, &he) || he.Case != CaseLostSlot {
+				t.Fatalf("got %v, want a lost slot", err)
+			}
+			if he.LostCause != c.cause || he.Branched != c.branched {
+				t.Fatalf("cause %q branched %v, want %q %v", he.LostCause, he.Branched, c.cause, c.branched)
+			}
+			if c.branched != strings.Contains(he.Error(), "may hold rows this server never got") {
+				t.Fatalf("error %q", he.Error())
+			}
+		})
+	}
+}

@@ -212,7 +212,12 @@ func (l *loop) finish(ctx context.Context, runErr error) error {
 		runErr = err
 	}
 	l.tracker.Close()
-	if err := l.sendStatus(false); err != nil && runErr == nil {
+	// A connection pgconn closed on a read error (the server died) is
+	// closed by a goroutine of its own, which writes its buffers: no final
+	// status on it (it could not be sent, and it would race that write).
+	if l.conn.IsClosed() {
+		l.log.Debug().Msg("final standby status not sent: the connection is closed")
+	} else if err := l.sendStatus(false); err != nil && runErr == nil {
 		l.log.Warn().Err(err).Msg("final standby status not sent")
 	}
 	events, _ := l.tracker.InFlight()

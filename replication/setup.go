@@ -320,6 +320,8 @@ func (c *checker) slot(pubExists bool) {
 		c.l.Add(check.Error, "postgres.slot", fmt.Sprintf("slot %q is a %s slot with plugin %q, not a logical pgoutput slot", c.cfg.Slot, slotType, plugin), drop)
 	case db != current:
 		c.l.Add(check.Error, "postgres.slot", fmt.Sprintf("slot %q belongs to database %q, not %q", c.cfg.Slot, db, current), "connect to database "+db+" or set --slot to another name")
+	case invalid != "" && c.cfg.AutoRepair:
+		c.l.Add(check.Warning, "postgres.slot", fmt.Sprintf("slot %q %s, so the outbox rows committed since its confirmed LSN %s can no longer be streamed: jetbox run --on-lost-slot=repair repairs it (jetbox repair's steps) before it streams", c.cfg.Slot, describeInvalidation(invalid), confirmed), "")
 	case invalid != "":
 		c.l.Add(check.Error, "postgres.slot", fmt.Sprintf("slot %q %s, so the outbox rows committed since its confirmed LSN %s can no longer be streamed", c.cfg.Slot, describeInvalidation(invalid), confirmed),
 			"run `jetbox repair` with the same configuration, or follow the runbook \"slot invalidated\" in docs/operations.md: re-publish the rows committed since then from the table (same ids: dedup absorbs overlaps), then "+drop+" and restart jetbox")

@@ -55,6 +55,10 @@ func (c *checker) repairMarker() {
 	if err := c.conn.QueryRow(c.ctx, "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1", RepairMarker(c.cfg.Slot)).Scan(&n); err != nil || n == 0 {
 		return
 	}
+	if c.cfg.AutoRepair {
+		c.l.Add(check.Warning, "postgres.repair", fmt.Sprintf("a jetbox repair of slot %q is running or was interrupted (marker slot %q exists): jetbox run --on-lost-slot=repair waits for it, or resumes it once no process holds the repair lock", c.cfg.Slot, RepairMarker(c.cfg.Slot)), "")
+		return
+	}
 	c.l.Add(check.Error, "postgres.repair", fmt.Sprintf("a jetbox repair of slot %q is running or was interrupted (marker slot %q exists): the stream misses rows of its snapshot, which the slot will not stream", c.cfg.Slot, RepairMarker(c.cfg.Slot)),
 		"let the repair finish, or run jetbox repair again (it is safe to re-run); then start jetbox run")
 }
@@ -77,6 +81,11 @@ type RepairOptions struct {
 	// stream's history (VerifyHistory's rewind or timeline case: a restore,
 	// a failover); repair then drops a valid slot and creates it again.
 	BrokenHistory string
+	// Lock is the repair lock (LockRepair) the caller holds, if any: the
+	// marker is created and the old slot dropped on its connection, so
+	// they happen only while the lock is held. Finish drops the marker
+	// there too.
+	Lock *RepairLock
 }
 
 // Repair is an open repair: the new slot's exported snapshot, imported by a
@@ -105,8 +114,9 @@ type Repair struct {
 	// (PostgreSQL 17+).
 	Failover bool
 
-	key       string // SQL of the order key, a timestamptz
-	createdAt string // SQL of the created-at column, "" when the table has none
+	lock      *RepairLock // the repair lock held, if any (RepairOptions.Lock)
+	key       string      // SQL of the order key, a timestamptz
+	createdAt string      // SQL of the created-at column, "" when the table has none
 	margin    time.Duration
 	cols      []decoder.TableColumn
 	sel       string // the outbox columns, in cols order
@@ -169,12 +179,13 @@ func OpenRepair(ctx context.Context, connString string, cfg Config, opt RepairOp
 		return nil, refused
 	}
 
+	r.lock = opt.Lock
 	marker := RepairMarker(cfg.Slot)
-	if _, err := conn.Exec(ctx, "SELECT pg_create_physical_replication_slot($1)", marker); err != nil && !isDuplicate(err) {
+	if _, err := r.markerConn().Exec(ctx, "SELECT pg_create_physical_replication_slot($1)", marker); err != nil && !isDuplicate(err) {
 		return nil, fmt.Errorf("create the repair marker (physical slot %q, reserves no WAL): %w", marker, err)
 	}
 	if drop {
-		if _, err := conn.Exec(ctx, "SELECT pg_drop_replication_slot($1)", cfg.Slot); err != nil {
+		if _, err := r.markerConn().Exec(ctx, "SELECT pg_drop_replication_slot($1)", cfg.Slot); err != nil {
 			return nil, fmt.Errorf("drop slot %q: %w", cfg.Slot, err)
 		}
 		r.log.Warn().Msg("dropped the slot: " + plan)
@@ -427,11 +438,21 @@ func (r *Repair) Finish(ctx context.Context) error {
 			return fmt.Errorf("make slot %q a failover slot: %w", r.cfg.Slot, err)
 		}
 	}
-	if _, err := r.conn.Exec(ctx, "SELECT pg_drop_replication_slot($1)", RepairMarker(r.cfg.Slot)); err != nil {
+	if _, err := r.markerConn().Exec(ctx, "SELECT pg_drop_replication_slot($1)", RepairMarker(r.cfg.Slot)); err != nil {
 		return fmt.Errorf("drop the repair marker %q: %w", RepairMarker(r.cfg.Slot), err)
 	}
 	r.Close(ctx)
 	return nil
+}
+
+// markerConn is the connection the marker is changed on: the repair lock's
+// when one is held (a statement there proves the lock still is), else the
+// repair's own.
+func (r *Repair) markerConn() *pgx.Conn {
+	if r.lock != nil && r.lock.conn != nil {
+		return r.lock.conn
+	}
+	return r.conn
 }
 
 // Close closes the connections; the marker and the slot stay.

@@ -8,10 +8,11 @@ const (
 	StateStandby      = "standby"      // another instance holds the slot
 	StateReconnecting = "reconnecting" // between replication sessions
 	StateRepublishing = "republishing" // publishes failed; retrying in order
+	StateRepairing    = "repairing"    // jetbox run repairs a lost slot (--on-lost-slot=repair)
 	StateStopped      = "stopped"
 )
 
 // States returns every state a Streamer can be in.
 func States() []string {
-	return []string{StateStarting, StateStreaming, StateStandby, StateReconnecting, StateRepublishing, StateStopped}
+	return []string{StateStarting, StateStreaming, StateStandby, StateReconnecting, StateRepublishing, StateRepairing, StateStopped}
 }

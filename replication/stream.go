@@ -44,6 +44,11 @@ type Config struct {
 	// AcceptLostRows: go on (with a warning) where the server does not
 	// continue the stream's history (see VerifyHistory) instead of stopping.
 	AcceptLostRows bool
+	// AutoRepair: jetbox run repairs a lost slot itself (--on-lost-slot=repair):
+	// check reports an invalidated slot and an unfinished repair's marker as
+	// warnings, since the run that finds them repairs (or waits for the
+	// repair) instead of stopping.
+	AutoRepair bool
 	// AllowRoutingChange: go on (with a warning) under another subject
 	// template or partition count than the stream's last message was
 	// routed under (see checkRouting) instead of stopping.

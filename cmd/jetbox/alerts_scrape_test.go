@@ -225,13 +225,15 @@ func badRow(id string) string {
 // JetboxInvalidRows does, in both modes: the counters exist at 0 from
 // start-up, and a stop waits for the scrape that carries its count
 // (--final-scrape-wait). The start-up scrape also holds every series the
-// hand-written scenarios of TestAlertRulesFire use, with their labels.
+// hand-written scenarios of TestAlertRulesFire use, with their labels
+// (jetbox_repairs_total's with --on-lost-slot=repair).
 func TestAlertRulesOnScrapedSeries(t *testing.T) {
 	rgs := shippedRules(t)
 	t.Run("dead-letter", func(t *testing.T) {
 		f := newFixture(t, withDDL(permissiveOutbox))
 		addrA, addrB := fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t)), fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t))
-		env := []string{"JETBOX_ON_INVALID=dead-letter", "JETBOX_MONITOR_INTERVAL=100ms"}
+		// --on-lost-slot=repair: jetbox_repairs_total{cause} exists at 0.
+		env := []string{"JETBOX_ON_INVALID=dead-letter", "JETBOX_MONITOR_INTERVAL=100ms", autoRepair}
 		a := f.start(append(env, "JETBOX_HTTP_ADDR="+addrA)...)
 		f.waitStreaming(a)
 		b := f.start(append(env, "JETBOX_HTTP_ADDR="+addrB)...)

@@ -42,6 +42,17 @@ type Config struct {
 	Metrics         *metrics.Metrics // set by run
 	// Audit is the continuous audit of jetbox run (--audit-interval).
 	Audit AuditLoopConfig
+	// LostSlot is what jetbox run does on a lost slot (--on-lost-slot).
+	LostSlot LostSlotConfig
+}
+
+// LostSlotConfig configures jetbox run's answer to a lost slot.
+type LostSlotConfig struct {
+	// Repair: run jetbox repair's steps and go on streaming
+	// (--on-lost-slot=repair); false: stop with exit 2.
+	Repair bool
+	// Margin is the repair's overlap (--on-lost-slot-margin).
+	Margin time.Duration
 }
 
 // AuditLoopConfig configures the continuous audit (auditloop.go).
@@ -110,6 +121,7 @@ func (f *RunFlags) Config() (Config, error) {
 	spec, dupWindow := f.streamSpec(p.bad, p.dur, delivery, t.publish, c.MaxOutage)
 	l := f.limits(p.bad)
 	acceptLost := p.boolean("accept-lost-rows", f.AcceptLostRows)
+	c.LostSlot = f.lostSlot(p, acceptLost, fromTable, messagePrefix != "")
 	allowRouting := p.boolean("allow-routing-change", f.AllowRouting)
 	deadLetter := f.deadLetterSubject(p.bad)
 	level := f.logging(p.bad)
@@ -139,6 +151,7 @@ func (f *RunFlags) Config() (Config, error) {
 		MaxRetainedWAL:     l.retainedWAL,
 		MonitorInterval:    t.monitor,
 		AcceptLostRows:     acceptLost,
+		AutoRepair:         c.LostSlot.Repair,
 		AllowRoutingChange: allowRouting,
 		PrimaryURL:         f.PrimaryURL,
 		CreatedAtColumn:    f.CreatedAtColumn,
@@ -150,6 +163,29 @@ func (f *RunFlags) Config() (Config, error) {
 		IndexScheme: c.Replication.Decoder.IndexScheme(), JSDomain: n.JSDomain, Routing: c.Replication.Decoder.RoutingHeader()}
 	c.LogLevel, c.LogConsole = level, f.LogFormat == "console"
 	return c, nil
+}
+
+// lostSlot reads --on-lost-slot and its margin. repair needs rows to
+// re-read (a table, and no messages: those exist only in the WAL) and
+// excludes --accept-lost-rows, which goes on past the loss instead.
+func (f *RunFlags) lostSlot(p *problems, acceptLost, fromTable, fromMessages bool) LostSlotConfig {
+	var c LostSlotConfig
+	switch f.OnLostSlot {
+	case "stop":
+	case "repair":
+		c.Repair = true
+		if acceptLost {
+			p.bad("on-lost-slot", f.OnLostSlot, "--on-lost-slot=repair and --accept-lost-rows exclude each other (one repairs the loss, the other accepts it)", "give one of them")
+		}
+		if !fromTable || fromMessages {
+			p.bad("on-lost-slot", f.OnLostSlot, "repair re-publishes rows of the outbox table, and logical decoding messages (--source with messages) exist only in the WAL: the ones a lost slot did not stream cannot be re-read",
+				"use --on-lost-slot=stop with --source including messages (after a loss have the producers emit the events again, see docs/routing.md)")
+		}
+	default:
+		p.bad("on-lost-slot", f.OnLostSlot, "unknown value", "use stop or repair")
+	}
+	c.Margin = p.dur("on-lost-slot-margin", f.LostSlotMargin, 0, 0)
+	return c
 }
 
 // problems collects the configuration problems of one validation.

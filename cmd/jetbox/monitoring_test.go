@@ -45,7 +45,7 @@ func exportedSeries(t *testing.T) series {
 	desc := regexp.MustCompile(`^Desc\{fqName: "([^"]+)".*variableLabels: \{([^}]*)\}\}$`)
 	var collectors []prometheus.Collector
 	for _, c := range []prometheus.Collector{m.Published, m.Duplicates, m.PublishErrors, m.Retries, m.InFlight, m.ConfirmedLSN,
-		m.ServerLSN, m.LagBytes, m.RetainedWAL, m.RetainedOver, m.Latency, m.Transactions, m.Reconnects, m.Heartbeats, m.State, m.InvalidRows, m.FailoverSlotReady} {
+		m.ServerLSN, m.LagBytes, m.RetainedWAL, m.RetainedOver, m.Latency, m.Transactions, m.Reconnects, m.Heartbeats, m.State, m.InvalidRows, m.FailoverSlotReady, m.Repairs} {
 		collectors = append(collectors, c)
 	}
 	ch := make(chan *prometheus.Desc, 1024)
@@ -488,6 +488,12 @@ var alertScenarios = []struct {
 		jetbox_standby_slot_waiting{job="jetbox", instance="a"} 0x30
 		jetbox_standby_slot_unguarded{job="jetbox", instance="a"} 0x29 1
 	`, []string{"JetboxStandbySlotUnguarded"}},
+	{"an automatic repair (--on-lost-slot=repair)", `
+		up{job="jetbox", instance="a"} 1x30
+		STATE a streaming
+		jetbox_repairs_total{job="jetbox", instance="a", cause="promotion"} 0x20 1x10
+		jetbox_repairs_total{job="jetbox", instance="a", cause="invalidated"} 0x30
+	`, []string{"JetboxAutomaticRepair"}},
 	{"flapping NATS connection", `
 		up{job="jetbox", instance="a"} 1x30
 		STATE a streaming

@@ -72,7 +72,7 @@ func (c *repairCmd) run(ctx context.Context, stdout, stderr io.Writer) int {
 	log := newLogger(cfg, stdout).With().Str("command", "repair").Logger()
 	r := &repairer{cfg: cfg, log: log, stdout: stdout, stderr: stderr, since: since, all: c.All, margin: margin,
 		progress: progress, dryRun: c.DryRun, createdAt: c.CreatedAtColumn}
-	code, err := r.run(ctx)
+	_, code, err := r.run(ctx)
 	if err != nil {
 		if ctx.Err() != nil {
 			fmt.Fprintln(stderr, "jetbox: repair interrupted: run jetbox repair again to finish it (it is safe to re-run)")
@@ -84,6 +84,8 @@ func (c *repairCmd) run(ctx context.Context, stdout, stderr io.Writer) int {
 	return code
 }
 
+// repairer is a repair's steps, shared by jetbox repair and jetbox run
+// --on-lost-slot=repair (autorepair.go).
 type repairer struct {
 	cfg            Config
 	log            zerolog.Logger
@@ -93,13 +95,41 @@ type repairer struct {
 	margin         time.Duration
 	progress       time.Duration
 	createdAt      string
+	// auto: jetbox run repairs on its own. It repairs only what it may
+	// without a flag or an operator: a lost slot of a table outbox, or an
+	// unfinished repair (resumed over its range); with the history intact
+	// (another instance repaired meanwhile) it does nothing, and any other
+	// break (a rewind, a branched timeline) is returned, not repaired.
+	// Progress and the summary go to the log, not stderr.
+	auto bool
+	// started, if set, is called once the repair decided to repair, with
+	// the cause (replication.LostCauses, or causeUnfinished).
+	started func(cause string)
 }
 
-func (r *repairer) run(ctx context.Context) (int, error) {
+// causeUnfinished is the cause of a repair that resumes an unfinished one
+// (its marker exists): jetbox_repairs_total{cause="unfinished-repair"}.
+const causeUnfinished = replication.CaseRepair
+
+// repairResult is what a repair did.
+type repairResult struct {
+	Repaired           bool // false: nothing to repair (auto), or a dry run
+	Cause              string
+	Published, Skipped int64
+	Elapsed            time.Duration
+}
+
+// run is one repair: it returns what it did, the exit code of jetbox
+// repair and the error that stopped it. Unless it is a dry run, it holds
+// the repair lock (replication.LockRepair) from before it reads the
+// stream's history to the marker's drop: while another process holds it,
+// it returns replication.ErrRepairBusy (exit 2) and changes nothing.
+func (r *repairer) run(ctx context.Context) (res repairResult, code int, err error) {
+	fail := func(code int, err error) (repairResult, int, error) { return res, code, err }
 	cfg := r.cfg
 	stopNATS, err := embedNATS(&cfg)
 	if err != nil {
-		return exitConfig, err
+		return fail(exitConfig, err)
 	}
 	defer stopNATS()
 	var pubRef atomic.Pointer[sink.Publisher]
@@ -109,19 +139,19 @@ func (r *repairer) run(ctx context.Context) (int, error) {
 		}
 	})
 	if err != nil {
-		return exitConfig, fmt.Errorf("connect to NATS %s: %w", redact(cfg.NatsURL), err)
+		return fail(exitConfig, fmt.Errorf("connect to NATS %s: %w", redact(cfg.NatsURL), err))
 	}
 	defer nc.Close()
 	pub, err := sink.New(nc, cfg.Sink, r.log)
 	if err != nil {
-		return exitFailure, err
+		return fail(exitFailure, err)
 	}
 	pubRef.Store(pub)
 	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	if !r.dryRun {
 		if _, err := pub.EnsureStream(sctx); err != nil {
-			return exitConfig, err
+			return fail(exitConfig, err)
 		}
 	}
 	if limit, err := pub.MessageLimit(sctx); err == nil {
@@ -129,9 +159,22 @@ func (r *repairer) run(ctx context.Context) (int, error) {
 		cfg.Replication.Decoder.MaxSubjectLength = pub.SubjectLimit()
 		cfg.Replication.Decoder.Size = pub.MessageSize
 	} else if !r.dryRun { // a dry run before the stream exists checks no size
-		return exitFailure, err
+		return fail(exitFailure, err)
 	}
 	r.cfg = cfg
+
+	var lock *replication.RepairLock
+	if !r.dryRun {
+		// One repair at a time: before the history is read, so that a
+		// repair that waited for another sees what that one left.
+		if lock, err = replication.LockRepair(sctx, cfg.PostgresURL, cfg.Replication.Slot); err != nil {
+			if errors.Is(err, replication.ErrRepairBusy) {
+				return fail(exitConfig, fmt.Errorf("%w: wait for it to finish (jetbox run then streams), or stop it", err))
+			}
+			return fail(exitFailure, err)
+		}
+		defer lock.Release(ctx)
+	}
 
 	// A slot that does not continue the stream's history (the server was
 	// restored, or rewound, or promoted on a timeline that branched before
@@ -141,39 +184,55 @@ func (r *repairer) run(ctx context.Context) (int, error) {
 	hcfg := cfg.Replication
 	hcfg.AcceptLostRows = false
 	last, hasLast, err := replication.VerifyHistory(sctx, cfg.PostgresURL, hcfg, sinkAdapter{p: pub}, r.log)
+	if r.auto {
+		cause, ok, aerr := autoCause(err)
+		if !ok && aerr == nil {
+			return fail(exitOK, nil) // the history is whole: nothing to repair
+		}
+		if !ok && !errors.As(aerr, &he) && !replication.IsPermanent(aerr) {
+			return fail(exitFailure, aerr) // a server unreachable, a standby behind: again later
+		}
+		if !ok {
+			return fail(exitConfig, aerr)
+		}
+		res.Cause = cause
+		if r.started != nil {
+			r.started(cause)
+		}
+	}
 	switch {
 	case errors.As(err, &he) && (he.Case == replication.CaseRewind || he.Case == replication.CaseTimeline):
 		broken = he.Case + ": " + he.Detail
 	case errors.As(err, &he): // a lost slot, an unfinished repair: OpenRepair's plan
 	case err != nil:
-		return exitFailure, err
+		return fail(exitFailure, err)
 	}
 
 	rg, err := repair.PlanRange(repair.Last{Seq: last.Seq, CommitTime: last.CommitTime, Stored: last.Stored, RepairSince: last.RepairSince},
 		hasLast, r.since, r.all, r.margin)
 	if err != nil {
-		return exitConfig, err
+		return fail(exitConfig, err)
 	}
 	if rg.Resumed {
 		r.log.Info().Uint64("seq", last.Seq).Str("since", rg.Header).Msg("repair: the stream's last message is a repair's: repairing its range again")
 	}
 	since, readFrom := rg.Since, rg.ReadFrom
 
-	rep, err := replication.OpenRepair(ctx, cfg.PostgresURL, cfg.Replication, replication.RepairOptions{DryRun: r.dryRun, CreatedAtColumn: r.createdAt, Margin: r.margin, BrokenHistory: broken}, r.log)
+	rep, err := replication.OpenRepair(ctx, cfg.PostgresURL, cfg.Replication, replication.RepairOptions{DryRun: r.dryRun, CreatedAtColumn: r.createdAt, Margin: r.margin, BrokenHistory: broken, Lock: lock}, r.log)
 	if err != nil {
 		if errors.Is(err, replication.ErrRepairRefused) {
-			return exitConfig, err
+			return fail(exitConfig, err)
 		}
-		return exitFailure, err
+		return fail(exitFailure, err)
 	}
 	defer rep.Close(context.WithoutCancel(ctx))
 	ids, err := pub.StoredIDs(ctx, readFrom)
 	if err != nil {
-		return exitFailure, err
+		return fail(exitFailure, err)
 	}
 	total, err := rep.Count(ctx, since)
 	if err != nil {
-		return exitFailure, err
+		return fail(exitFailure, err)
 	}
 	from := "every row"
 	if !since.IsZero() {
@@ -181,7 +240,8 @@ func (r *repairer) run(ctx context.Context) (int, error) {
 	}
 	r.log.Info().Int64("rows", total).Str("from", from).Int("stream_ids", len(ids)).Str("order", rep.Order).Str("plan", rep.Plan).Msg("repair: reading the snapshot")
 	if r.dryRun {
-		return r.report(ctx, rep, since, from, total, ids)
+		code, err := r.report(ctx, rep, since, from, total, ids)
+		return fail(code, err)
 	}
 
 	st := &repairState{total: total, started: time.Now()}
@@ -198,7 +258,7 @@ func (r *repairer) run(ctx context.Context) (int, error) {
 	}, rcfg, &st.Progress)
 	stopProgress()
 	if err != nil {
-		return exitFailure, r.stopError(err)
+		return fail(exitFailure, r.stopError(err))
 	}
 	lastPos := repair.Position{Origin: last.Origin, CommitLSN: last.CommitLSN, TxIndex: last.TxIndex}
 	if st.Published.Load() == 0 && repair.NeedsBaseline(lastPos, hasLast, rcfg) {
@@ -211,23 +271,26 @@ func (r *repairer) run(ctx context.Context) (int, error) {
 			err = repair.PublishOne(ctx, stream, &ev, rcfg.CloseTimeout)
 		}
 		if err != nil {
-			return exitFailure, fmt.Errorf("publish the repair baseline: %w", err)
+			return fail(exitFailure, fmt.Errorf("publish the repair baseline: %w", err))
 		}
 		r.log.Info().Str("subject", ev.Subject).Str("lsn", ev.CommitLSN.String()).Msg("repair: nothing was missing; stored a baseline marker so that jetbox run resumes on the new slot's history")
 	}
 	fctx, fcancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 	defer fcancel()
 	if err := rep.Finish(fctx); err != nil {
-		return exitFailure, err
+		return fail(exitFailure, err)
 	}
 	syncStandbys(fctx, cfg, r.log) // slotsync.go: the new slot's window on the standbys
 	elapsed := time.Since(st.started)
 	rate := float64(st.Published.Load()+st.Skipped.Load()) / elapsed.Seconds()
+	res.Repaired, res.Published, res.Skipped, res.Elapsed = true, st.Published.Load(), st.Skipped.Load(), elapsed
 	r.log.Info().Int64("published", st.Published.Load()).Int64("skipped", st.Skipped.Load()).Stringer("elapsed", elapsed).
-		Float64("rows_per_second", rate).Str("lsn", rep.ConsistentPoint.String()).Msg("repair done: the stream holds every row of the snapshot; jetbox run streams the rest from the slot")
-	fmt.Fprintf(r.stderr, "jetbox repair: done: %d rows published, %d already in the stream, in %s (%.0f rows/s); start jetbox run\n",
-		st.Published.Load(), st.Skipped.Load(), elapsed.Round(time.Millisecond), rate)
-	return exitOK, nil
+		Float64("rows_per_second", rate).Str("lsn", rep.ConsistentPoint.String()).Str("cause", res.Cause).Msg("repair done: the stream holds every row of the snapshot; jetbox run streams the rest from the slot")
+	if !r.auto {
+		fmt.Fprintf(r.stderr, "jetbox repair: done: %d rows published, %d already in the stream, in %s (%.0f rows/s); start jetbox run\n",
+			st.Published.Load(), st.Skipped.Load(), elapsed.Round(time.Millisecond), rate)
+	}
+	return fail(exitOK, nil)
 }
 
 // report is the dry run: what is missing, without publishing.
@@ -307,6 +370,11 @@ func (r *repairer) startProgress(st *repairState) func() {
 			pct := 100.0
 			if st.total > 0 {
 				pct = 100 * float64(n) / float64(st.total)
+			}
+			if r.auto {
+				r.log.Info().Int64("done", n).Int64("rows", st.total).Int64("published", st.Published.Load()).Int64("skipped", st.Skipped.Load()).
+					Float64("rows_per_second", rate).Str("left", left).Msg("repair: progress")
+				continue
 			}
 			fmt.Fprintf(r.stderr, "jetbox repair: %d/%d rows (%.1f%%), %d published, %d already in the stream, %.0f rows/s, about %s left\n",
 				n, st.total, pct, st.Published.Load(), st.Skipped.Load(), rate, left)

@@ -68,8 +68,14 @@ func (f *fixture) rowKeys(key string) map[string]int64 {
 // the number of repaired messages.
 func (f *fixture) assertRepaired(want []string, key string) int {
 	f.t.Helper()
+	return f.assertRepairedMsgs(testenv.ReadStream(f.t, f.js, "OUTBOX", true), want, key)
+}
+
+// assertRepairedMsgs is assertRepaired on the messages got (the stream's,
+// or a part of them).
+func (f *fixture) assertRepairedMsgs(got []testenv.StreamMsg, want []string, key string) int {
+	f.t.Helper()
 	t := f.t
-	got := testenv.ReadStream(t, f.js, "OUTBOX", true)
 	idx := make(map[string]int, len(want))
 	for i, id := range want {
 		idx[id] = i

@@ -23,7 +23,7 @@ var updateAlerts = flag.Bool("update-alerts", false, "rewrite deploy/prometheus/
 var (
 	jetboxRules = []string{"JetboxDown", "JetboxAllDown", "JetboxNotStreaming", "JetboxStandbyWithoutActive", "JetboxStalled",
 		"JetboxNoRecentAck", "JetboxLagHigh", "JetboxRetainedWAL", "JetboxInvalidRows", "JetboxPublishFailing", "JetboxSlowDelivery", "JetboxReconnecting",
-		"JetboxAuditGap", "JetboxAuditStalled", "JetboxFailoverSlotNotReady", "JetboxStandbySlotWaiting", "JetboxStandbySlotUnguarded"}
+		"JetboxAuditGap", "JetboxAuditStalled", "JetboxFailoverSlotNotReady", "JetboxStandbySlotWaiting", "JetboxStandbySlotUnguarded", "JetboxAutomaticRepair"}
 	databaseRules = []string{"JetboxSlotRetainedWAL", "JetboxSlotInactive"}
 )
 

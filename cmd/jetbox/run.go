@@ -85,25 +85,54 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 		log.Info().Str("url", cfg.NatsURL).Str("store_dir", cfg.NatsStoreDir).Msg("embedded NATS server started")
 	}
 
+	if cfg.LostSlot.Repair {
+		cfg.Metrics.InitRepairs(repairCauses())
+		log.Info().Stringer("margin", cfg.LostSlot.Margin).Msg("--on-lost-slot=repair: a lost slot is repaired from the table by the instance that finds it")
+	}
+	repairs := newAutoRepairs(cfg, log, stdout, stderr)
+	for {
+		code, retry := runOnce(ctx, cfg, ops, repairs, log, stderr)
+		if !retry {
+			return code
+		}
+		if ops != nil {
+			// The run's NATS connection is closed: /healthz must not
+			// report it while the next run starts (or stands by for a
+			// repair), nor /readyz its stopped streamer.
+			ops.nats.Store(nil)
+			ops.streamer.Store(nil)
+			ops.audit.Store(nil)
+			ops.slots.Store(nil)
+		}
+	}
+}
+
+// runOnce is one run from the preflight to the stop: retry says a lost slot
+// was repaired (or another instance's repair waited for) and the run
+// starts over; else code is the exit code.
+func runOnce(ctx context.Context, cfg Config, ops *opsServer, repairs *autoRepairs, log zerolog.Logger, stderr io.Writer) (code int, retry bool) {
 	nc, pub, err := preflight(ctx, cfg, log)
 	if err != nil {
 		if ctx.Err() != nil {
-			return exitOK
+			return exitOK, false
+		}
+		if code, retry, done := repairLost(ctx, repairs, err, log, stderr); done {
+			return code, retry
 		}
 		printRunProblems(stderr, !cfg.LogConsole, "set-up", err)
 		log.Error().Err(err).Msg("set-up failed")
-		return exitConfig
+		return exitConfig, false
 	}
 	defer nc.Close()
 
 	if err := limitDecoder(ctx, &cfg, pub, log); err != nil {
 		fmt.Fprintln(stderr, "jetbox:", err)
-		return exitFailure
+		return exitFailure, false
 	}
 	streamer, err := replication.New(cfg.PostgresURL, cfg.Replication, sinkAdapter{p: pub, atomic: cfg.Sink.Delivery.Atomic()}, log)
 	if err != nil {
 		log.Error().Err(err).Msg("start replication")
-		return exitConfig
+		return exitConfig, false
 	}
 	var audits *auditLoop
 	if cfg.Audit.Interval > 0 {
@@ -127,7 +156,32 @@ func run(ctx context.Context, cfg Config, stdout, stderr io.Writer) int {
 		log.Warn().Msg("--order-guard=false: after a lost publish, later events may be stored before it is republished (out of commit order)")
 	}
 	err = streamAndAudit(ctx, streamer, pub, audits, slots)
-	return runExit(ctx, err, cfg, pub, streamer, ops, log, stderr)
+	if ctx.Err() == nil {
+		if code, retry, done := repairLost(ctx, repairs, err, log, stderr); done {
+			return code, retry
+		}
+	}
+	return runExit(ctx, err, cfg, pub, streamer, ops, log, stderr), false
+}
+
+// repairLost hands the error that ended a run to the automatic repairs:
+// done says the run ends here (with code, or retry: start over); else the
+// error is the run's to report.
+func repairLost(ctx context.Context, repairs *autoRepairs, err error, log zerolog.Logger, stderr io.Writer) (code int, retry, done bool) {
+	again, rerr := repairs.handle(ctx, err)
+	switch {
+	case again || ctx.Err() != nil:
+		return exitOK, again, true
+	case rerr == err:
+		return 0, false, false
+	}
+	log.Error().Err(rerr).Msg("stopped: the automatic repair cannot go on")
+	fmt.Fprintln(stderr, "jetbox:", rerr)
+	var ie *decoder.InvalidEventError
+	if errors.As(rerr, &ie) {
+		return exitFailure, false, true // as jetbox repair: fix the row and start again
+	}
+	return exitConfig, false, true
 }
 
 // errNATSClosed stops the streamer when the NATS connection is CLOSED.

@@ -70,6 +70,9 @@ type Metrics struct {
 	StandbySlotUnguarded prometheus.Gauge
 	// StandbySlotWait is how long transactions waited for the standbys.
 	StandbySlotWait prometheus.Histogram
+	// Repairs counts the repairs jetbox run started on its own
+	// (--on-lost-slot=repair), per cause of the lost slot (InitRepairs).
+	Repairs *prometheus.CounterVec
 	// BuildInfo is jetbox_build_info{version,revision,goversion} 1 (SetBuild).
 	BuildInfo *prometheus.GaugeVec
 
@@ -144,6 +147,8 @@ func New() *Metrics {
 		StandbySlotWait: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "jetbox_standby_slot_wait_seconds",
 			Help:    "How long transactions waited for the standbys of --wait-for-standby-slots (those that waited at all).",
 			Buckets: []float64{.0005, .001, .002, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60}}),
+		Repairs: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "jetbox_repairs_total",
+			Help: "Repairs jetbox run started on its own (--on-lost-slot=repair), per cause: promotion (the slot is missing on a promoted server), invalidated, dropped, unfinished-repair (an interrupted repair resumed)."}, []string{"cause"}),
 		BuildInfo: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "jetbox_build_info",
 			Help: "Always 1: the version and VCS revision jetbox was built from, and the Go version."}, []string{"version", "revision", "goversion"}),
 	}
@@ -153,7 +158,7 @@ func New() *Metrics {
 	r.MustRegister(m.Published, m.Duplicates, m.PublishErrors, m.Retries, m.InFlight, m.ConfirmedLSN, m.ServerLSN,
 		m.LagBytes, m.RetainedWAL, m.RetainedOver, m.Latency, m.Transactions, m.Reconnects, m.Heartbeats, m.State, m.InvalidRows, m.SpansDropped, m.IgnoredMessages,
 		m.AuditMissing, m.AuditDuplicates, m.AuditOutOfOrder, m.AuditCompleteUntil, m.AuditRuns,
-		m.FailoverSlotReady, m.StandbySlotLag, m.StandbySlotWaiting, m.StandbySlotUnguarded, m.StandbySlotWait, m.BuildInfo, sinceAck, collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+		m.FailoverSlotReady, m.StandbySlotLag, m.StandbySlotWaiting, m.StandbySlotUnguarded, m.StandbySlotWait, m.Repairs, m.BuildInfo, sinceAck, collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.Reconnects.WithLabelValues("postgres")
 	m.Reconnects.WithLabelValues("nats")
 	m.SpansDropped.WithLabelValues("queue_full")
@@ -184,6 +189,15 @@ func (m *Metrics) InitLabels(reasons, deadLetter, ignored []string) {
 	}
 	for _, r := range ignored {
 		m.IgnoredMessages.WithLabelValues(r)
+	}
+}
+
+// InitRepairs creates jetbox_repairs_total's series for each cause at 0
+// (jetbox run with --on-lost-slot=repair), so that the first repair is an
+// increase an alert sees.
+func (m *Metrics) InitRepairs(causes []string) {
+	for _, c := range causes {
+		m.Repairs.WithLabelValues(c)
 	}
 }
 

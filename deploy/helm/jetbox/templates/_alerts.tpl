@@ -111,6 +111,11 @@ groups:
   "expr" (printf "max by (namespace, job) (jetbox_standby_slot_unguarded{%s}) == 1" $sel)
   "summary" "{{ $labels.job }} publishes without waiting for the standbys of --wait-for-standby-slots"
   "description" "--on-standby-slot-timeout=publish: a standby did not flush within --standby-slot-timeout, so jetbox publishes without the guarantee until it catches up. A failover to that standby now may leave events in the stream whose rows the promoted server lacks.") }}
+{{- $x = $r.JetboxAutomaticRepair }}
+{{- $rules = append $rules (dict "name" "JetboxAutomaticRepair" "rule" $x
+  "expr" (printf "sum by (namespace, job, cause) (increase(jetbox_repairs_total{%s}[%s])) > 0" $sel $x.window)
+  "summary" "jetbox {{ $labels.job }} repaired a lost slot on its own (cause {{ $labels.cause }})"
+  "description" "--on-lost-slot=repair: the slot was lost (a promotion to a server without it, an invalidation, a drop) or a repair was interrupted, and jetbox re-published from the table the rows the stream missed, then streamed on. Check the log (repair: done, rows republished) and, after a promotion, whether the stream holds rows the promoted server lacks (docs/operations.md). Repeated: a flapping primary.") }}
 {{- $db := $p.database }}
 {{- if $db.source }}
 {{- $slot := $db.slot | default (index .Values.config "slot") | default "jetbox" }}
