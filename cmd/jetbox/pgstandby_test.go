@@ -246,3 +246,84 @@ func TestStandbyPromotedUnderLoad(t *testing.T) {
 		t.Fatalf("exit %d:\n%s", code, p.tail(4096))
 	}
 }
+
+// TestStandbyFollowsPromotedStandby (PostgreSQL 16+): a cascading switch.
+// jetbox decodes on standby1 of a primary that has a second standby,
+// standby2. The writers pause and both standbys replay all the primary
+// wrote (so that standby1 can follow standby2: a standby that replayed WAL
+// the other lacks cannot); the primary stops, standby2 is promoted, and
+// standby1 pointed at it (primary_conninfo, reloaded). PostgreSQL keeps the
+// logical slot on standby1: a slot on a standby is not tied to its
+// upstream, and standby1's replay follows standby2 onto the new timeline,
+// through the same slot. jetbox goes on without exiting, its events from
+// then on carry the new timeline, and the stream equals the promoted
+// server's outbox (its copy of the oracle slot), each row once, in commit
+// order.
+func TestStandbyFollowsPromotedStandby(t *testing.T) {
+	f, o, sb := standbyFixture(t, false, true)
+	sb2 := testenv.StartNamedStandby(t, f.pg, "standby2")
+	// Writers, the oracle, f.conn() and --primary-url: whichever server
+	// accepts writes.
+	f.pg.DSN = fmt.Sprintf("postgres://postgres@127.0.0.1:%d,127.0.0.1:%d/postgres?sslmode=disable&target_session_attrs=read-write", f.pg.Port(), sb2.Port())
+	f.env = append(f.env, "JETBOX_PRIMARY_URL="+f.pg.DSN)
+	p := f.start()
+	waitStandbyStreaming(t, p, sb)
+	l := f.startLoad(3, 5*time.Millisecond, 1_000_000)
+	f.progress(300, time.Minute)
+	l.stop()
+	primary := f.conn()
+	var end string
+	must(t, primary.QueryRow(ctxT(t, 5*time.Second), "SELECT pg_current_wal_flush_lsn()::text").Scan(&end))
+	for _, s := range []*testenv.Postgres{sb, sb2} {
+		conn := s.Conn(t)
+		testenv.WaitFor(t, time.Minute, func() error {
+			var replayed bool
+			if err := conn.QueryRow(ctxT(t, 5*time.Second), "SELECT pg_last_wal_replay_lsn() >= $1::pg_lsn", end).Scan(&replayed); err != nil {
+				return err
+			}
+			if !replayed {
+				return fmt.Errorf("a standby has not replayed the primary's WAL up to %s", end)
+			}
+			return nil
+		})
+	}
+	// A switchover: the primary's walsenders send both standbys all its
+	// WAL, its shutdown checkpoint included, before it exits; a standby
+	// that replayed WAL the other lacks could not follow it.
+	f.pg.Stop("fast")
+	sb2.Promote(t)
+	sb.Exec(t, fmt.Sprintf("ALTER SYSTEM SET primary_conninfo = 'host=127.0.0.1 port=%d user=postgres dbname=postgres application_name=standby1'", sb2.Port()))
+	sb.Exec(t, "ALTER SYSTEM SET primary_slot_name = ''") // standby2 has no slot for it
+	sb.Exec(t, "SELECT pg_reload_conf()")
+	l = f.startLoad(3, 5*time.Millisecond, 1_000_000)
+	defer l.stop()
+	testenv.WaitFor(t, 2*time.Minute, func() error {
+		select {
+		case <-p.done:
+			t.Fatalf("jetbox exited with %d at the switch:\n%s", p.code, p.tail(4096))
+		default:
+		}
+		st, err := f.js.Stream(ctxT(t, 5*time.Second), "OUTBOX")
+		if err != nil {
+			return err
+		}
+		m, err := st.GetLastMsgForSubject(ctxT(t, 5*time.Second), "outbox.>")
+		if err != nil {
+			return err
+		}
+		if src := m.Header.Get("Jetbox-Source"); strings.Split(src, "/")[1] == "1" {
+			return fmt.Errorf("last event from %s", src)
+		}
+		return nil
+	})
+	f.progress(0, time.Minute)
+	f.finish(l, o)
+	select {
+	case <-p.done:
+		t.Fatalf("jetbox exited with %d after the switch:\n%s", p.code, p.tail(4096))
+	default:
+	}
+	if code := p.stop(); code != exitOK {
+		t.Fatalf("exit %d:\n%s", code, p.tail(4096))
+	}
+}

@@ -57,17 +57,25 @@ func (p *Postgres) Snapshot(t testing.TB) (restore func()) {
 // Extra "name=value" settings of the standby come last (they override).
 func StartStandby(t testing.TB, primary *Postgres, extra ...string) *Postgres {
 	t.Helper()
+	return StartNamedStandby(t, primary, "standby1", extra...)
+}
+
+// StartNamedStandby is StartStandby with another name than standby1 (the
+// physical slot and application_name): a second standby of primary. Only
+// standby1 is in the primary's synchronized_standby_slots.
+func StartNamedStandby(t testing.TB, primary *Postgres, name string, extra ...string) *Postgres {
+	t.Helper()
 	major := primary.Major(t)
-	primary.Exec(t, "SELECT pg_create_physical_replication_slot('standby1', true)")
-	if major >= 17 {
+	primary.Exec(t, fmt.Sprintf("SELECT pg_create_physical_replication_slot('%s', true)", name))
+	if major >= 17 && name == "standby1" {
 		primary.Exec(t, "ALTER SYSTEM SET synchronized_standby_slots = 'standby1'")
 	}
 	primary.Stop("fast")
-	settings := []string{
-		fmt.Sprintf("primary_conninfo=host=127.0.0.1 port=%d user=postgres dbname=postgres application_name=standby1", primary.Port()),
-		"primary_slot_name=standby1", "hot_standby_feedback=on",
-		"wal_receiver_status_interval=1s",
-	}
+	// The upstream goes in postgresql.auto.conf, not on the command line
+	// (which ALTER SYSTEM cannot override): a test can point the standby
+	// at another upstream with ALTER SYSTEM and pg_reload_conf().
+	upstream := fmt.Sprintf("primary_conninfo = 'host=127.0.0.1 port=%d user=postgres dbname=postgres application_name=%s'\nprimary_slot_name = '%s'\n", primary.Port(), name, name)
+	settings := []string{"hot_standby_feedback=on", "wal_receiver_status_interval=1s"}
 	if major >= 17 {
 		// The copy carries the primary's synchronized_standby_slots: a
 		// promoted standby must not wait for a standby of its own.
@@ -92,6 +100,9 @@ func StartStandby(t testing.TB, primary *Postgres, extra ...string) *Postgres {
 		}
 		s.c.Remove()
 	})
+	if err := appendFile(filepath.Join(s.c.DataDir(), "postgresql.auto.conf"), upstream); err != nil {
+		t.Fatal(err)
+	}
 	// The copy holds postmaster.opts, not postmaster.pid (clean stop).
 	if err := os.WriteFile(filepath.Join(s.c.DataDir(), "standby.signal"), nil, 0o644); err != nil {
 		t.Fatal(err)
@@ -103,7 +114,7 @@ func StartStandby(t testing.TB, primary *Postgres, extra ...string) *Postgres {
 		defer cancel()
 		conn := primary.Conn(t)
 		defer conn.Close(ctx)
-		err := conn.QueryRow(ctx, "SELECT state FROM pg_stat_replication WHERE application_name = 'standby1'").Scan(&state)
+		err := conn.QueryRow(ctx, "SELECT state FROM pg_stat_replication WHERE application_name = $1", name).Scan(&state)
 		if err != nil {
 			return fmt.Errorf("standby not connected: %w", err)
 		}
@@ -148,4 +159,17 @@ func (p *Postgres) Timeline(t testing.TB) int {
 	}
 	n, _ := strconv.Atoi(strings.TrimSpace(tl))
 	return n
+}
+
+// appendFile appends text to the existing file path (its owner unchanged).
+func appendFile(path, text string) error {
+	f, err := os.OpenFile(path, os.O_APPEND|os.O_WRONLY, 0)
+	if err != nil {
+		return fmt.Errorf("append to %s: %w", path, err)
+	}
+	if _, err := f.WriteString(text); err != nil {
+		f.Close()
+		return fmt.Errorf("append to %s: %w", path, err)
+	}
+	return f.Close()
 }
