@@ -327,3 +327,26 @@ func TestStandbyFollowsPromotedStandby(t *testing.T) {
 		t.Fatalf("exit %d:\n%s", code, p.tail(4096))
 	}
 }
+
+// TestStandbySlotConflict (PostgreSQL 16+): a real conflict on the standby
+// jetbox decodes on. The primary restarts with wal_level = replica; the
+// standby replays the change and invalidates its logical slots. jetbox
+// stops with the lost-slot error naming the conflict (exit 2), leaves the
+// slot alone, and a restart refuses it the same way.
+func TestStandbySlotConflict(t *testing.T) {
+	f, _, sb := standbyFixture(t, true, false)
+	p := f.start()
+	waitStandbyStreaming(t, p, sb)
+	f.insertTx(f.conn(), "before", 10)
+	f.waitCount(10, time.Minute)
+	f.pg.RestartWith("fast", "wal_level=replica", "max_wal_senders=20")
+	want := []string{"is invalidated by a conflict with recovery on this standby", "jetbox repair"}
+	p.waitExit(exitConfig, want...)
+	var n int
+	must(t, sb.Conn(t).QueryRow(ctxT(t, 10*time.Second), "SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'jetbox'").Scan(&n))
+	if n != 1 {
+		t.Fatalf("%d slots named jetbox on the standby, want the invalidated one left alone", n)
+	}
+	again := f.start()
+	again.waitExit(exitConfig, want...)
+}

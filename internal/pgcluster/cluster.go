@@ -215,6 +215,12 @@ func (c *Cluster) Start(ctx context.Context) error {
 	}
 }
 
+// AddSettings adds "name=value" server settings, applied after the others
+// from the next Start on.
+func (c *Cluster) AddSettings(settings ...string) {
+	c.opts.Settings = append(c.opts.Settings, settings...)
+}
+
 // Stop stops the server: "smart" (SIGTERM), "fast" (SIGINT) or "immediate"
 // (SIGQUIT: a crash, recovery at the next start). It is a no-op when stopped.
 func (c *Cluster) Stop(mode string) error {

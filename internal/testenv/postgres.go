@@ -128,6 +128,15 @@ func (p *Postgres) Restart(mode string) {
 	p.Start()
 }
 
+// RestartWith stops the server with mode and starts it again with settings
+// ("name=value", applied after the others, and kept for later starts).
+func (p *Postgres) RestartWith(mode string, settings ...string) {
+	p.t.Helper()
+	p.Stop(mode)
+	p.c.AddSettings(settings...)
+	p.Start()
+}
+
 // Conn opens a connection (closed at cleanup) to the cluster's postgres database.
 func (p *Postgres) Conn(t testing.TB) *pgx.Conn {
 	t.Helper()
