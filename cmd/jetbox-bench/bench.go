@@ -49,6 +49,7 @@ type Report struct {
 	Scale                           []scaleRun    // --scale
 	Compare                         []*compareRun // --baseline-bin, --status-intervals
 	CompareErr                      error
+	Workload                        []*workloadRun // --workload
 	cfg                             Config
 }
 
@@ -177,6 +178,7 @@ func (b *bench) runAll(ctx context.Context, rep *Report) {
 		}
 	})
 	step("compare", "compare", func() { rep.Compare, rep.CompareErr = b.compare(ctx) })
+	step("workload", workloadName, func() { b.runWorkload(ctx, rep) })
 	b.runScale(ctx, rep)
 }
 
@@ -188,12 +190,16 @@ func (b *bench) header() []string {
 	if out, err := runOutput(b.jetbox, "version"); err == nil {
 		jetboxVersion = strings.TrimSpace(out)
 	}
-	return []string{
+	h := []string{
 		fmt.Sprintf("%s; %d CPUs (%s); PostgreSQL %s (fsync=on, synchronous_commit=on); nats-server %s (file storage, R1); %s",
 			time.Now().UTC().Format("2006-01-02 15:04 UTC"), runtime.NumCPU(), cpuModel(), b.srv.pgVersion, natsVersion, jetboxVersion),
 		fmt.Sprintf("catch-up: %s rows in %d-row transactions, %d-byte JSON payloads; steady: %s at %d rows/s in 1-row transactions, %d writers; knee steps of %s",
 			groupDigits(float64(c.Rows)), c.TxRows, c.PayloadSize, c.Steady, c.SteadyRate, c.Writers, c.Step),
 	}
+	if c.runs(workloadName) {
+		h = append(h, b.workloadHeader())
+	}
+	return h
 }
 
 // cpuModel names the processor, from /proc/cpuinfo.

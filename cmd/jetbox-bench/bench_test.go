@@ -64,7 +64,8 @@ func TestSummarize(t *testing.T) {
 		s = append(s, time.Duration(i)*time.Millisecond)
 	}
 	got := summarize(s)
-	want := latencyStats{N: 100, P50: 51 * time.Millisecond, P90: 91 * time.Millisecond, P99: 100 * time.Millisecond, Max: 100 * time.Millisecond}
+	want := latencyStats{N: 100, P50: 51 * time.Millisecond, P90: 91 * time.Millisecond, P99: 100 * time.Millisecond, P999: 100 * time.Millisecond,
+		Max: 100 * time.Millisecond, Mean: 50500 * time.Microsecond}
 	if got != want {
 		t.Fatalf("summarize = %+v, want %+v", got, want)
 	}

@@ -210,7 +210,7 @@ func (b *bench) compareRep(ctx context.Context, v variant, d deployment, ws sqlW
 	name := fmt.Sprintf("%s (rep %d)", v.Name, rep+1)
 	b.floorConfirm = !v.FloorQuiet
 	defer func() { b.floorConfirm = b.cfg.FloorConfirm }()
-	load, stop, err := b.startSQLLoad(ctx, d, ws, b.variantStart(v, d), true)
+	load, stop, err := b.startSQLLoad(ctx, d, ws, b.variantStart(v, d), loadOpts{streams: true, floor: true})
 	if err != nil {
 		return latencyRun{Name: name, Rate: b.cfg.SteadyRate, Err: err}, nil
 	}

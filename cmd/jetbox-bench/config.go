@@ -48,6 +48,11 @@ type Config struct {
 	StatusIntervals []time.Duration // the current build at these --status-interval values
 	FloorConfirm    bool            // the floor client confirms what it received (flush = write), every second
 	FloorBoth       bool            // compare: each set-up twice, the floor confirming and not
+	// The workload others can compare (workload.go).
+	WorkloadSizes []int         // payload bytes per row, one set of steps each
+	WorkloadRates []int         // rows (ops) per second, stepped through until one is not sustained
+	WorkloadStep  time.Duration // duration of each step
+	WorkloadTx    int           // rows per transaction
 }
 
 // defaultConfig is the full-size run.
@@ -60,6 +65,8 @@ func defaultConfig() Config {
 		ScaleRows: []int{200_000, 2_000_000, 10_000_000}, ScalePayloads: []int{100, 1024, 16 << 10, 256 << 10},
 		ScaleTx: []int{1, 100, 10_000, 1_000_000}, ScaleBytes: 512 << 20,
 		Reps: 3, CompareDelivery: []string{"dedup"}, FloorConfirm: true,
+		WorkloadSizes: []int{100, 200, 400, 1600}, WorkloadRates: []int{5000, 10000, 20000, 40000},
+		WorkloadStep: 10 * time.Second, WorkloadTx: 100,
 	}
 }
 
@@ -112,6 +119,14 @@ func parseFlags(args []string, stderr io.Writer) (Config, error) {
 	fs.StringVar(&statusIntervals, "status-intervals", "", "compare: run the current build at each of these --status-interval values (comma-separated durations), compared with the first (or with the baseline); alone it runs only compare")
 	floorConfirm := "true"
 	fs.StringVar(&floorConfirm, "floor-confirm", floorConfirm, "true: the floor client confirms what it received every second (flush position = write position, as jetbox confirms); false: it reports its write position only; both (compare): each set-up twice, with the floor confirming and not")
+	workload := false
+	fs.BoolVar(&workload, "workload", false, "the workload others can compare, the shape of Sequin's published CDC benchmark: for each --workload-sizes, jetbox then the polling relay "+
+		"at each of --workload-rates (transactions of --workload-tx rows, --workload-step each) until a rate is not sustained; mean/p50/p99/p99.9 to stored; alone it runs only this")
+	wlSizes, wlRates := joinInts(c.WorkloadSizes), joinInts(c.WorkloadRates)
+	fs.StringVar(&wlSizes, "workload-sizes", wlSizes, "workload: row (payload) sizes in bytes, comma-separated")
+	fs.StringVar(&wlRates, "workload-rates", wlRates, "workload: rates in rows (ops) per second, comma-separated, ascending")
+	fs.DurationVar(&c.WorkloadStep, "workload-step", c.WorkloadStep, "workload: duration of each rate step")
+	fs.IntVar(&c.WorkloadTx, "workload-tx", c.WorkloadTx, "workload: rows per transaction")
 	only := ""
 	fs.StringVar(&only, "only", "", "run only these workloads, comma-separated, of: "+strings.Join(append(slices.Clone(workloads), scaleWorkloads...), ",")+" (recv needs dedup; default: all but the scale-* ones, which --scale adds)")
 	if err := fs.Parse(args); err != nil {
@@ -152,11 +167,14 @@ func parseFlags(args []string, stderr io.Writer) (Config, error) {
 	if len(c.Only) == 0 && (len(c.BaselineBins) > 0 || len(c.StatusIntervals) > 0) {
 		c.Only = []string{"compare"}
 	}
+	if workload && !slices.Contains(c.Only, workloadName) {
+		c.Only = append(c.Only, workloadName)
+	}
 	for _, l := range []struct {
 		flag string
 		s    string
 		v    *[]int
-	}{{"rates", rates, &c.Rates}, {"scale-rows", scaleRows, &c.ScaleRows}, {"scale-payloads", scalePayloads, &c.ScalePayloads}, {"scale-tx", scaleTx, &c.ScaleTx}} {
+	}{{"workload-sizes", wlSizes, &c.WorkloadSizes}, {"workload-rates", wlRates, &c.WorkloadRates}, {"rates", rates, &c.Rates}, {"scale-rows", scaleRows, &c.ScaleRows}, {"scale-payloads", scalePayloads, &c.ScalePayloads}, {"scale-tx", scaleTx, &c.ScaleTx}} {
 		var err error
 		if *l.v, err = parseInts(l.s); err != nil {
 			errs = append(errs, fmt.Errorf("--%s: %w", l.flag, err))
@@ -207,6 +225,7 @@ func (c Config) validate() error {
 			errs = append(errs, fmt.Errorf("--compare-delivery: %q is not dedup or exactly-once", m))
 		}
 	}
+	errs = append(errs, c.validateWorkload()...)
 	if slices.Contains(c.Only, "compare") && len(c.BaselineBins) == 0 && len(c.StatusIntervals) == 0 {
 		errs = append(errs, errors.New("--only compare needs --baseline-bin or --status-intervals (what to compare)"))
 	}
@@ -219,14 +238,14 @@ func (c Config) validate() error {
 }
 
 // workloads are the names --only takes, in the order they run.
-var workloads = []string{"dedup", "recv", "exactly-once", "relay", "raw", "fast-batch", "steady", "steady-exactly", "steady-atomic", "big-tx", "profile", "compare"}
+var workloads = []string{"dedup", "recv", "exactly-once", "relay", "raw", "fast-batch", "steady", "steady-exactly", "steady-atomic", "big-tx", "profile", "compare", workloadName}
 
 // runs reports whether workload w is to run.
 func (c Config) runs(w string) bool {
 	switch {
 	case w == "profile":
 		return c.Profile
-	case w == "compare":
+	case w == "compare" || w == workloadName:
 		return slices.Contains(c.Only, w)
 	case slices.Contains(scaleWorkloads, w):
 		return c.Scale || slices.Contains(c.Only, w)

@@ -145,8 +145,9 @@ func (c *latencyConsumer) stop() { c.cc.Stop() }
 
 // latencyStats summarises INSERT (or publish) → consumer latencies.
 type latencyStats struct {
-	N                  int
-	P50, P90, P99, Max time.Duration
+	N                        int
+	P50, P90, P99, P999, Max time.Duration
+	Mean                     time.Duration
 }
 
 // summarize sorts samples (in place) and returns its percentiles.
@@ -156,5 +157,10 @@ func summarize(samples []time.Duration) latencyStats {
 	}
 	slices.Sort(samples)
 	at := func(q float64) time.Duration { return samples[min(len(samples)-1, int(q*float64(len(samples))))] }
-	return latencyStats{N: len(samples), P50: at(0.50), P90: at(0.90), P99: at(0.99), Max: samples[len(samples)-1]}
+	var sum time.Duration
+	for _, d := range samples {
+		sum += d
+	}
+	return latencyStats{N: len(samples), P50: at(0.50), P90: at(0.90), P99: at(0.99), P999: at(0.999), Max: samples[len(samples)-1],
+		Mean: sum / time.Duration(len(samples))}
 }

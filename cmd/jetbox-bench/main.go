@@ -22,6 +22,7 @@
 //	go run ./cmd/jetbox-bench                  # the full run (a few minutes)
 //	go run ./cmd/jetbox-bench --rows 20000 --big-tx 0 --steady 3s --rates 4000 --step 2s
 //	go run ./cmd/jetbox-bench --baseline-bin /tmp/jetbox-old --reps 3   # a previous build beside this one (compare.go)
+//	go run ./cmd/jetbox-bench --workload      # the workload others can compare, jetbox beside the polling relay (workload.go)
 package main
 
 import (

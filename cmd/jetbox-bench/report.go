@@ -38,7 +38,7 @@ func (r *Report) Failed() bool {
 			}
 		}
 	}
-	return r.StartErr != nil || r.ProfileErr != nil || r.CompareErr != nil
+	return r.StartErr != nil || r.ProfileErr != nil || r.CompareErr != nil || r.workloadFailed()
 }
 
 func (r *Report) throughputs() []*throughput {
@@ -79,8 +79,8 @@ func (r *Report) Print(w io.Writer) {
 		fmt.Fprintln(w, h+"  ")
 	}
 	fmt.Fprintln(w)
-	compareOnly := len(r.throughputs()) == 0 && len(r.latencies()) == 0 && (len(r.Compare) > 0 || r.CompareErr != nil)
-	if !compareOnly {
+	extrasOnly := len(r.throughputs()) == 0 && len(r.latencies()) == 0 && (len(r.Compare) > 0 || r.CompareErr != nil || len(r.Workload) > 0)
+	if !extrasOnly {
 		r.printThroughput(w)
 		fmt.Fprintln(w)
 	}
@@ -88,7 +88,7 @@ func (r *Report) Print(w io.Writer) {
 		r.printLatency(w)
 		fmt.Fprintln(w)
 	}
-	if !compareOnly {
+	if !extrasOnly {
 		r.printComparisons(w)
 	}
 	if len(r.Compare) > 0 || r.CompareErr != nil {
@@ -98,6 +98,10 @@ func (r *Report) Print(w io.Writer) {
 	if len(r.Scale) > 0 {
 		fmt.Fprintln(w)
 		r.printScale(w)
+	}
+	if len(r.Workload) > 0 {
+		fmt.Fprintln(w)
+		r.printWorkload(w)
 	}
 	if r.ProfilePath != "" {
 		fmt.Fprintf(w, "\nCPU profile of jetbox during a catch-up: %s (`go tool pprof -top -cum %s %s`)\n", r.ProfilePath, "<jetbox binary>", r.ProfilePath)

@@ -87,7 +87,21 @@ type steadyLoad struct {
 	send     sender
 	sent     int    // messages sent since the consumer started
 	base     uint64 // messages the stream held before
+	shape    loadShape
 }
+
+// loadShape is what one send commits: txRows rows (0: one) of payload bytes
+// each (0: cfg.PayloadSize).
+type loadShape struct{ payload, txRows int }
+
+func (s loadShape) size(b *bench) int {
+	if s.payload > 0 {
+		return s.payload
+	}
+	return b.cfg.PayloadSize
+}
+
+func (s loadShape) rows() int { return max(1, s.txRows) }
 
 // total is the number of messages the stream should hold.
 func (l *steadyLoad) total() uint64 { return l.base + uint64(l.sent) }
@@ -105,7 +119,9 @@ func (l *steadyLoad) step(ctx context.Context, name string, rate int, d time.Dur
 	if l.slot != "" {
 		lag = l.b.sampleUnsent(ctx, l.slot)
 	}
-	sent, elapsed, err := l.b.produce(ctx, rate, d, l.send)
+	rows := l.shape.rows() // rate is in rows/s; produce paces sends (transactions of rows)
+	sent, elapsed, err := l.b.produce(ctx, max(1, rate/rows), d, l.send, l.shape.size(l.b))
+	sent *= rows
 	l.sent += sent
 	if err == nil {
 		err = l.consumer.waitCount(ctx, l.sent, l.b.cfg.Timeout)
@@ -227,11 +243,11 @@ func (r *latencyRun) setFloor(samples []latencySample, floor map[string]time.Dur
 // ready) and drops their latencies.
 func (l *steadyLoad) warmUp(ctx context.Context) error {
 	for w := range l.b.cfg.Writers {
-		if err := l.send(ctx, w, timedPayload(time.Now(), l.b.cfg.PayloadSize)); err != nil {
+		if err := l.send(ctx, w, timedPayload(time.Now(), l.shape.size(l.b))); err != nil {
 			return err
 		}
 	}
-	l.sent += l.b.cfg.Writers
+	l.sent += l.b.cfg.Writers * l.shape.rows()
 	err := l.consumer.waitCount(ctx, l.sent, l.b.cfg.Timeout)
 	l.consumer.take()
 	if err == nil && l.floor != nil {
@@ -245,9 +261,10 @@ func (l *steadyLoad) warmUp(ctx context.Context) error {
 }
 
 // produce calls send at rate per second for d, spread over cfg.Writers
-// concurrent writers, each send stamped with its own send time. It returns
+// concurrent writers, each send stamped with its own send time in a payload
+// of size bytes. It returns
 // how many were sent and how long that took (to the end of the last send).
-func (b *bench) produce(ctx context.Context, rate int, d time.Duration, send sender) (int, time.Duration, error) {
+func (b *bench) produce(ctx context.Context, rate int, d time.Duration, send sender, size int) (int, time.Duration, error) {
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	tokens := make(chan struct{}, 4*b.cfg.Writers)
@@ -258,7 +275,7 @@ func (b *bench) produce(ctx context.Context, rate int, d time.Duration, send sen
 		go func() {
 			defer wg.Done()
 			for range tokens {
-				if err := send(ctx, w, timedPayload(time.Now(), b.cfg.PayloadSize)); err != nil {
+				if err := send(ctx, w, timedPayload(time.Now(), size)); err != nil {
 					cancel(err)
 					return
 				}
@@ -398,7 +415,7 @@ func (b *bench) jetboxSweep(ctx context.Context, rep *Report, name, db, delivery
 		return fail(err)
 	}
 	defer ws.close()
-	load, stop, err := b.startSQLLoad(ctx, d, ws, start, true)
+	load, stop, err := b.startSQLLoad(ctx, d, ws, start, loadOpts{streams: true, floor: true})
 	if err != nil {
 		return fail(err)
 	}
@@ -424,16 +441,25 @@ func (b *bench) jetboxSweep(ctx context.Context, rep *Report, name, db, delivery
 	return sw
 }
 
+// loadOpts are startSQLLoad's choices: wait until jetbox streams, measure
+// the latency floor beside it, what each send commits, and the sender
+// (nil: the writers' 1-row send).
+type loadOpts struct {
+	streams, floor bool
+	shape          loadShape
+	send           sender
+}
+
 // startSQLLoad starts a forwarder with start (waiting until jetbox streams,
-// when streams is set) and a latency consumer on d's stream, and warms up
+// with opts.streams) and a latency consumer on d's stream, and warms up
 // the writers. stop ends the forwarder.
-func (b *bench) startSQLLoad(ctx context.Context, d deployment, ws sqlWriters, start func() (*process, error), streams bool) (*steadyLoad, func() error, error) {
+func (b *bench) startSQLLoad(ctx context.Context, d deployment, ws sqlWriters, start func() (*process, error), opts loadOpts) (*steadyLoad, func() error, error) {
 	p, err := start()
 	if err != nil {
 		return nil, nil, err
 	}
 	stop := func() error { return p.stop(30 * time.Second) }
-	if streams {
+	if opts.streams {
 		if err := b.waitStreaming(ctx, p, d.slot); err != nil {
 			p.kill()
 			return nil, nil, err
@@ -450,8 +476,11 @@ func (b *bench) startSQLLoad(ctx context.Context, d deployment, ws sqlWriters, s
 		p.kill()
 		return nil, nil, err
 	}
-	load := &steadyLoad{b: b, fwd: p, consumer: c, send: ws.send, base: n}
-	if streams { // a logical forwarder: measure the floor beside it
+	load := &steadyLoad{b: b, fwd: p, consumer: c, send: opts.send, base: n, shape: opts.shape}
+	if load.send == nil {
+		load.send = ws.send
+	}
+	if opts.floor { // a logical forwarder: measure the floor beside it
 		if load.floor, err = b.startFloor(ctx, d.db, "jetbox"); err != nil {
 			c.stop()
 			p.kill()
@@ -506,7 +535,7 @@ func (b *bench) relaySteady(ctx context.Context) *latencyRun {
 		return &latencyRun{Name: "polling relay", Rate: b.cfg.SteadyRate, Err: err}
 	}
 	defer ws.close()
-	load, stop, err := b.startSQLLoad(ctx, d, ws, func() (*process, error) { return b.startRelay(d) }, false)
+	load, stop, err := b.startSQLLoad(ctx, d, ws, func() (*process, error) { return b.startRelay(d) }, loadOpts{})
 	if err != nil {
 		return &latencyRun{Name: "polling relay", Rate: b.cfg.SteadyRate, Err: err}
 	}
