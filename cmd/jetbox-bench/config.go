@@ -53,6 +53,7 @@ type Config struct {
 	WorkloadRates []int         // rows (ops) per second, stepped through until one is not sustained
 	WorkloadStep  time.Duration // duration of each step
 	WorkloadTx    int           // rows per transaction
+	WorkloadMode  string        // jetbox's --delivery
 }
 
 // defaultConfig is the full-size run.
@@ -66,7 +67,7 @@ func defaultConfig() Config {
 		ScaleTx: []int{1, 100, 10_000, 1_000_000}, ScaleBytes: 512 << 20,
 		Reps: 3, CompareDelivery: []string{"dedup"}, FloorConfirm: true,
 		WorkloadSizes: []int{100, 200, 400, 1600}, WorkloadRates: []int{5000, 10000, 20000, 40000},
-		WorkloadStep: 10 * time.Second, WorkloadTx: 100,
+		WorkloadStep: 10 * time.Second, WorkloadTx: 100, WorkloadMode: "exactly-once",
 	}
 }
 
@@ -127,6 +128,7 @@ func parseFlags(args []string, stderr io.Writer) (Config, error) {
 	fs.StringVar(&wlRates, "workload-rates", wlRates, "workload: rates in rows (ops) per second, comma-separated, ascending")
 	fs.DurationVar(&c.WorkloadStep, "workload-step", c.WorkloadStep, "workload: duration of each rate step")
 	fs.IntVar(&c.WorkloadTx, "workload-tx", c.WorkloadTx, "workload: rows per transaction")
+	fs.StringVar(&c.WorkloadMode, "workload-delivery", c.WorkloadMode, "workload: jetbox's --delivery (exactly-once, dedup)")
 	only := ""
 	fs.StringVar(&only, "only", "", "run only these workloads, comma-separated, of: "+strings.Join(append(slices.Clone(workloads), scaleWorkloads...), ",")+" (recv needs dedup; default: all but the scale-* ones, which --scale adds)")
 	if err := fs.Parse(args); err != nil {

@@ -21,7 +21,7 @@ import (
 // broker's timestamp (mean and p99 as published, p50 and p99.9 too). jetbox
 // publishes the inserts of an outbox only, so every change here is an
 // outbox row: ops/s are messages/s. Each row size is run on a deployment of
-// its own by jetbox (exactly-once, the default) and then by the polling
+// its own by jetbox (exactly-once, the default; --workload-delivery) and then by the polling
 // relay, each stepping up through cfg.WorkloadRates until a rate is not
 // sustained; each stream is checked (every row once, in commit order for
 // jetbox) and the deployment dropped.
@@ -63,8 +63,8 @@ func (b *bench) runWorkload(ctx context.Context, rep *Report) {
 
 // workloadAt runs one forwarder's steps at one row size on a new deployment.
 func (b *bench) workloadAt(ctx context.Context, size int, relay bool) *workloadRun {
-	w := &workloadRun{Forwarder: "jetbox, --delivery=exactly-once", Size: size}
-	d := newDeployment(fmt.Sprintf("wl_jetbox_%d", size), "exactly-once")
+	w := &workloadRun{Forwarder: "jetbox, --delivery=" + b.cfg.WorkloadMode, Size: size}
+	d := newDeployment(fmt.Sprintf("wl_jetbox_%d", size), b.cfg.WorkloadMode)
 	start := func() (*process, error) { return b.startJetbox(d) }
 	opts := loadOpts{streams: true, shape: loadShape{payload: size, txRows: b.cfg.WorkloadTx}}
 	if relay {
@@ -189,6 +189,9 @@ func (c Config) validateWorkload() []error {
 			errs = append(errs, fmt.Errorf("--workload-sizes: %d is not within 64 bytes and 512 KiB (the payload carries its send time; NATS' max_payload is 1 MiB)", s))
 		}
 	}
+	if c.WorkloadMode != "exactly-once" && c.WorkloadMode != "dedup" {
+		errs = append(errs, fmt.Errorf("--workload-delivery: %q is not exactly-once or dedup", c.WorkloadMode))
+	}
 	if c.WorkloadTx < 1 {
 		errs = append(errs, errors.New("--workload-tx must be at least 1"))
 	}
@@ -223,11 +226,11 @@ func (r *Report) printWorkload(w io.Writer) {
 	fmt.Fprintf(w, "Workload (the shape of Sequin's published CDC benchmark): outbox rows committed in transactions of %d by %d writers, "+
 		"rates stepped through %s rows/s, %s each, until one is not sustained (kept ≥ 95%%, p99 < %s). Latency: INSERT issued → stored in the stream (the stream's timestamp), and → a consumer.\n\n",
 		c.WorkloadTx, c.Writers, joinInts(c.WorkloadRates), c.WorkloadStep, millis(maxSustainedP99))
-	fmt.Fprintln(w, "| forwarder | row (payload) | ops/s offered | achieved | payload MB/s | → stored: mean / p50 / p99 / p99.9 | → consumer: p50 / p99 | CPU % forwarder / Postgres / NATS / bench | load avg (1 min) | samples | sustained |")
-	fmt.Fprintln(w, "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|")
+	fmt.Fprintln(w, "| forwarder | row (payload) | ops/s offered | achieved | payload MB/s | → stored: mean / p50 / p99 / p99.9 | → consumer: p50 / p99 | CPU % forwarder / Postgres / NATS / bench | max WAL unsent by jetbox's walsender | load avg (1 min) | samples | sustained |")
+	fmt.Fprintln(w, "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|")
 	for _, wr := range r.Workload {
 		if wr.Err != nil {
-			fmt.Fprintf(w, "| %s | %d B | | | | | | | | | %s |\n", wr.Forwarder, wr.Size, check(wr.Err))
+			fmt.Fprintf(w, "| %s | %d B | | | | | | | | | | %s |\n", wr.Forwarder, wr.Size, check(wr.Err))
 		}
 		for i, s := range wr.Steps {
 			kept := "yes"
@@ -242,10 +245,10 @@ func (r *Report) printWorkload(w io.Writer) {
 				load = fmt.Sprintf("%.1f", wr.Load[i])
 			}
 			st := s.Stored
-			fmt.Fprintf(w, "| %s | %d B | %s | %s | %.2f | %s / %s / %s / %s | %s / %s | %s | %s | %s | %s |\n", wr.Forwarder, wr.Size,
+			fmt.Fprintf(w, "| %s | %d B | %s | %s | %.2f | %s / %s / %s / %s | %s / %s | %s | %s | %s | %s | %s |\n", wr.Forwarder, wr.Size,
 				groupDigits(float64(s.Rate)), groupDigits(s.Achieved), s.Achieved*float64(wr.Size)/1e6,
 				millis(st.Mean), millis(st.P50), millis(st.P99), millis(st.P999), millis(s.Stats.P50), millis(s.Stats.P99),
-				s.cpuShares(), load, groupDigits(float64(s.Stats.N)), kept)
+				s.cpuShares(), kibibytes(s.MaxUnsent), load, groupDigits(float64(s.Stats.N)), kept)
 		}
 	}
 	fmt.Fprintln(w)

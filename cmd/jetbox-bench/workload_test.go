@@ -30,8 +30,8 @@ func TestWorkloadConfig(t *testing.T) {
 	if !c.runs(workloadName) || !c.runs("dedup") || !slices.Equal(c.WorkloadSizes, []int{200}) || c.WorkloadStep != 2*time.Second {
 		t.Errorf("--workload with --only dedup: %+v", c)
 	}
-	_, err := parseFlags([]string{"--workload", "--workload-sizes", "10", "--workload-rates", "8000,4000,50", "--workload-step", "10ms"}, io.Discard)
-	for _, want := range []string{"--workload-sizes: 10", "4000 does not follow 8000", "50 rows/s is less than one transaction", "--workload-step"} {
+	_, err := parseFlags([]string{"--workload", "--workload-sizes", "10", "--workload-rates", "8000,4000,50", "--workload-step", "10ms", "--workload-delivery", "once"}, io.Discard)
+	for _, want := range []string{`--workload-delivery: "once"`, "--workload-sizes: 10", "4000 does not follow 8000", "50 rows/s is less than one transaction", "--workload-step"} {
 		if err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("want %q reported, got %v", want, err)
 		}
