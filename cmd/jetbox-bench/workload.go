@@ -224,7 +224,7 @@ func (r *Report) workloadFailed() bool {
 func (r *Report) printWorkload(w io.Writer) {
 	c := r.cfg
 	fmt.Fprintf(w, "Workload (the shape of Sequin's published CDC benchmark): outbox rows committed in transactions of %d by %d writers, "+
-		"rates stepped through %s rows/s, %s each, until one is not sustained (kept ≥ 95%%, p99 < %s). Latency: INSERT issued → stored in the stream (the stream's timestamp), and → a consumer.\n\n",
+		"rates stepped through %s rows/s, %s each, until one is not sustained (kept ≥ 95%%, p99 to the consumer < %s). Latency: INSERT issued → stored in the stream (the stream's timestamp), and → a consumer.\n\n",
 		c.WorkloadTx, c.Writers, joinInts(c.WorkloadRates), c.WorkloadStep, millis(maxSustainedP99))
 	fmt.Fprintln(w, "| forwarder | row (payload) | ops/s offered | achieved | payload MB/s | → stored: mean / p50 / p99 / p99.9 | → consumer: p50 / p99 | CPU % forwarder / Postgres / NATS / bench | max WAL unsent by jetbox's walsender | load avg (1 min) | samples | sustained |")
 	fmt.Fprintln(w, "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|")
