@@ -213,12 +213,27 @@ func TestStandbyPromotedUnderLoad(t *testing.T) {
 	defer l.stop()
 	f.progress(500, time.Minute)
 	promoted := failover(t, f, sb)
-	testenv.WaitFor(t, 2*time.Minute, func() error {
+	goesOnOnNewTimeline(t, f, p, l, o, "the promotion")
+	t.Logf("promotion (pg_promote asked) to the first event stored from the new timeline: %s", firstFromNewTimeline(t, f, promoted).Round(time.Millisecond))
+	if code := p.stop(); code != exitOK {
+		t.Fatalf("exit %d:\n%s", code, p.tail(4096))
+	}
+}
+
+// goesOnOnNewTimeline waits, while jetbox p keeps running, until the
+// stream's last event comes from a timeline after the first, then stops
+// the load l and checks the stream against the oracle o.
+func goesOnOnNewTimeline(t *testing.T, f *fixture, p *proc, l *load, o *oracle, what string) {
+	t.Helper()
+	running := func() {
 		select {
 		case <-p.done:
-			t.Fatalf("jetbox exited with %d at the promotion:\n%s", p.code, p.tail(4096))
+			t.Fatalf("jetbox exited with %d after %s:\n%s", p.code, what, p.tail(4096))
 		default:
 		}
+	}
+	testenv.WaitFor(t, 2*time.Minute, func() error {
+		running()
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
 		st, err := f.js.Stream(ctx, "OUTBOX")
@@ -236,15 +251,7 @@ func TestStandbyPromotedUnderLoad(t *testing.T) {
 	})
 	f.progress(0, time.Minute)
 	f.finish(l, o)
-	t.Logf("promotion (pg_promote asked) to the first event stored from the new timeline: %s", firstFromNewTimeline(t, f, promoted).Round(time.Millisecond))
-	select {
-	case <-p.done:
-		t.Fatalf("jetbox exited with %d after the promotion:\n%s", p.code, p.tail(4096))
-	default:
-	}
-	if code := p.stop(); code != exitOK {
-		t.Fatalf("exit %d:\n%s", code, p.tail(4096))
-	}
+	running()
 }
 
 // TestStandbyFollowsPromotedStandby (PostgreSQL 16+): a cascading switch.
@@ -297,32 +304,7 @@ func TestStandbyFollowsPromotedStandby(t *testing.T) {
 	sb.Exec(t, "SELECT pg_reload_conf()")
 	l = f.startLoad(3, 5*time.Millisecond, 1_000_000)
 	defer l.stop()
-	testenv.WaitFor(t, 2*time.Minute, func() error {
-		select {
-		case <-p.done:
-			t.Fatalf("jetbox exited with %d at the switch:\n%s", p.code, p.tail(4096))
-		default:
-		}
-		st, err := f.js.Stream(ctxT(t, 5*time.Second), "OUTBOX")
-		if err != nil {
-			return err
-		}
-		m, err := st.GetLastMsgForSubject(ctxT(t, 5*time.Second), "outbox.>")
-		if err != nil {
-			return err
-		}
-		if src := m.Header.Get("Jetbox-Source"); strings.Split(src, "/")[1] == "1" {
-			return fmt.Errorf("last event from %s", src)
-		}
-		return nil
-	})
-	f.progress(0, time.Minute)
-	f.finish(l, o)
-	select {
-	case <-p.done:
-		t.Fatalf("jetbox exited with %d after the switch:\n%s", p.code, p.tail(4096))
-	default:
-	}
+	goesOnOnNewTimeline(t, f, p, l, o, "the switch of its standby's upstream")
 	if code := p.stop(); code != exitOK {
 		t.Fatalf("exit %d:\n%s", code, p.tail(4096))
 	}
