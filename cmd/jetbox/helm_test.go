@@ -25,6 +25,10 @@ const helmVersion = "v3.21.4"
 
 const chartDir = repoRoot + "/deploy/helm/jetbox"
 
+// defaultKubeVersion is the Kubernetes version the chart is rendered for
+// unless a test names another (helm_types_test.go checks several).
+const defaultKubeVersion = "1.30.0"
+
 // helmBin finds the helm binary: $JETBOX_HELM_BIN, the cache .ci/run fills,
 // then PATH. Missing, the test skips, or fails under JETBOX_REQUIRE_SERVERS=1.
 func helmBin(t *testing.T) string {
@@ -58,15 +62,12 @@ func helmBin(t *testing.T) string {
 // arguments, for a Kubernetes version the chart supports.
 func helmTemplate(t *testing.T, helm string, args ...string) ([]map[string]any, error) {
 	t.Helper()
-	cmd := exec.Command(helm, append([]string{"template", "jetbox", chartDir, "--namespace", "apps", "--kube-version", "1.30.0"}, args...)...)
-	var out, stderr bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &stderr
-	cmd.Env = append(os.Environ(), "HELM_CACHE_HOME="+t.TempDir(), "HELM_CONFIG_HOME="+t.TempDir(), "HELM_DATA_HOME="+t.TempDir())
-	if err := cmd.Run(); err != nil {
-		return nil, errors.New(strings.TrimSpace(stderr.String()))
+	out, err := helmRender(t, helm, defaultKubeVersion, args...)
+	if err != nil {
+		return nil, err
 	}
 	var docs []map[string]any
-	dec := yaml.NewDecoder(&out)
+	dec := yaml.NewDecoder(bytes.NewReader(out))
 	for {
 		var d map[string]any
 		err := dec.Decode(&d)
@@ -81,6 +82,26 @@ func helmTemplate(t *testing.T, helm string, args ...string) ([]map[string]any, 
 		}
 	}
 	return docs, nil
+}
+
+// helmRender runs helm template for the Kubernetes version and returns its
+// output; a refusal is the error, with helm's message.
+func helmRender(t *testing.T, helm, kubeVersion string, args ...string) ([]byte, error) {
+	t.Helper()
+	cmd := exec.Command(helm, append([]string{"template", "jetbox", chartDir, "--namespace", "apps", "--kube-version", kubeVersion}, args...)...)
+	var out, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &stderr
+	cmd.Env = helmEnv(t)
+	if err := cmd.Run(); err != nil {
+		return nil, errors.New(strings.TrimSpace(stderr.String()))
+	}
+	return out.Bytes(), nil
+}
+
+// helmEnv keeps helm's cache, configuration and data in the test's own
+// directories.
+func helmEnv(t *testing.T) []string {
+	return append(os.Environ(), "HELM_CACHE_HOME="+t.TempDir(), "HELM_CONFIG_HOME="+t.TempDir(), "HELM_DATA_HOME="+t.TempDir())
 }
 
 // k8s mirrors the parts of the rendered objects the test reads.
@@ -273,7 +294,7 @@ func TestHelmChart(t *testing.T) {
 			if v.file != "" {
 				args = []string{"-f", filepath.Join(chartDir, "ci", v.file)}
 			}
-			lint := exec.Command(helm, append([]string{"lint", "--strict", "--kube-version", "1.30.0", chartDir}, args...)...)
+			lint := exec.Command(helm, append([]string{"lint", "--strict", "--kube-version", defaultKubeVersion, chartDir}, args...)...)
 			if out, err := lint.CombinedOutput(); err != nil {
 				t.Errorf("helm lint --strict: %v\n%s", err, out)
 			}

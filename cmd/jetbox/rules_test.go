@@ -78,7 +78,7 @@ var ruleFiles = []struct {
 // spec, as a rule file.
 func renderRules(t *testing.T, helm string, set ...string) (string, error) {
 	t.Helper()
-	args := []string{"template", "jetbox", chartDir, "--namespace", "apps", "--kube-version", "1.30.0",
+	args := []string{"template", "jetbox", chartDir, "--namespace", "apps", "--kube-version", defaultKubeVersion,
 		"--show-only", "templates/prometheusrule.yaml", "--set", "prometheusRule.enabled=true", "--set", `prometheusRule.selector=job="jetbox"`}
 	for _, s := range set {
 		args = append(args, "--set", s)
