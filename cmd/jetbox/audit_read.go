@@ -167,7 +167,7 @@ func (a *auditor) readStream(ctx context.Context, st jetstream.Stream, sr stream
 	if ci := cons.CachedInfo(); ci != nil && ci.NumPending == 0 {
 		return nil // no message stored at or after the start
 	}
-	it, err := cons.Messages(jetstream.PullMaxMessages(4096))
+	it, err := cons.Messages(jetstream.PullMaxMessages(16384))
 	if err != nil {
 		return fmt.Errorf("read stream %q: %w", a.s.cfg.Sink.Stream, err)
 	}

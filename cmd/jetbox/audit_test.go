@@ -256,7 +256,7 @@ func TestAuditRate(t *testing.T) {
 	}
 	// Margin 0s: the range ends at the last message's commit time minus
 	// the margin, and the test's transactions are instant.
-	r := f.auditFor(bound, "JETBOX_AUDIT_MARGIN=0s")
+	r := f.auditFor(bound, append([]string{"JETBOX_AUDIT_MARGIN=0s"}, strings.Fields(os.Getenv("JETBOX_AUDIT_EXTRA"))...)...)
 	if r.code != 0 || !strings.Contains(r.stdout, fmt.Sprintf("rows:           %d\n", n)) {
 		t.Fatalf("jetbox audit exited with %d, want 0 with %d rows:\n%s\n%s", r.code, n, r.stdout, r.stderr)
 	}
