@@ -272,6 +272,9 @@ func (r *repairer) run(ctx context.Context) (res repairResult, code int, err err
 		// a baseline marker at the repair's position lets jetbox run
 		// resume after it, skipping none of the slot's events.
 		ev, err := repair.Baseline(rcfg, cfg.Sink.SubjectPrefix, st.Skipped.Load())
+		if err == nil && lock != nil {
+			err = lock.Check(ctx) // as the rows: only while the lock is held
+		}
 		if err == nil {
 			err = repair.PublishOne(ctx, stream, &ev, rcfg.CloseTimeout)
 		}
