@@ -71,3 +71,20 @@ func (l *RepairLock) Release(ctx context.Context) {
 	defer cancel()
 	_ = l.conn.Close(cctx)
 }
+
+// Check reports whether the lock is still held: its connection answers (a
+// session-level advisory lock lasts as long as its session). A lock whose
+// connection was cut (a network cut the server's keepalives ended,
+// idle_session_timeout, pg_terminate_backend) may be held by another
+// process already: the repair must not publish any more.
+func (l *RepairLock) Check(ctx context.Context) error {
+	if l == nil || l.conn == nil {
+		return nil
+	}
+	cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	if _, err := l.conn.Exec(cctx, "SELECT 1"); err != nil {
+		return fmt.Errorf("the repair lock of slot %q is lost (its connection to postgres failed): %w", l.slot, err)
+	}
+	return nil
+}

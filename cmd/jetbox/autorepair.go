@@ -10,6 +10,8 @@ import (
 
 	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/jetbox-dev/jetbox/replication"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/rs/zerolog"
 )
 
@@ -144,7 +146,7 @@ func (a *autoRepairs) handle(ctx context.Context, cause error) (retry bool, err 
 		return true, nil
 	}
 	var ie *decoder.InvalidEventError
-	if code == exitConfig || errors.As(rerr, &ie) {
+	if (code == exitConfig && !natsGone(rerr)) || errors.As(rerr, &ie) {
 		// Refused, or a row it cannot publish: what jetbox repair stops
 		// on stops jetbox run too, with jetbox repair's way out.
 		return false, fmt.Errorf("--on-lost-slot=repair: the repair stopped: %w", r.stopError(rerr))
@@ -156,6 +158,16 @@ func (a *autoRepairs) handle(ctx context.Context, cause error) (retry bool, err 
 	wait = max(wait, repairBackoffMin)
 	log.Error().Err(rerr).Stringer("backoff", wait).Msg("repair: failed; trying again (a re-run resumes it: Jetbox-Repair-Since)")
 	return sleep(ctx, wait), nil
+}
+
+// natsGone reports whether err, which stopped a repair before it changed
+// anything, says NATS could not be reached or did not answer (a restart, a
+// network cut; natsUnreachable in check.go): jetbox repair exits 2 on it,
+// an automatic repair tries again after a back-off, as jetbox run outlives
+// such an outage while it streams.
+func natsGone(err error) bool {
+	return natsUnreachable(err) || errors.Is(err, nats.ErrNoResponders) || errors.Is(err, nats.ErrConnectionClosed) ||
+		errors.Is(err, nats.ErrDisconnected) || errors.Is(err, jetstream.ErrJetStreamNotEnabled) || errors.Is(err, context.DeadlineExceeded)
 }
 
 // sleep waits d, or until ctx ends (false).

@@ -1,13 +1,17 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"io"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/jetbox-dev/jetbox/internal/metrics"
 	"github.com/jetbox-dev/jetbox/replication"
+	"github.com/rs/zerolog"
 )
 
 // TestAutoRepairDecision: which errors that stop jetbox run
@@ -120,5 +124,33 @@ func TestOnLostSlotConfig(t *testing.T) {
 		case c.want != "" && (err == nil || !strings.Contains(err.Error(), c.want) || !strings.Contains(err.Error(), "--on-lost-slot")):
 			t.Errorf("%+v: error %v, want %q", c, err, c.want)
 		}
+	}
+}
+
+// TestAutoRepairRetriesUnreachableNATS: a lost slot found while NATS is
+// down (restarting) is repaired once it is back: the repair's failure to
+// reach it is retried after a back-off, as a Postgres it cannot reach is,
+// not a reason to stop jetbox run.
+func TestAutoRepairRetriesUnreachableNATS(t *testing.T) {
+	var f RunFlags
+	parseDefaults(t, &f)
+	f.PostgresURL = "postgres://u@127.0.0.1:1/db"
+	f.NatsURL = "nats://127.0.0.1:1" // nothing listens
+	f.OnLostSlot = "repair"
+	cfg, err := f.Config()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.Metrics = metrics.New()
+	a := newAutoRepairs(cfg, zerolog.Nop(), io.Discard, io.Discard)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	cause := &replication.HistoryError{Case: replication.CaseLostSlot, LostCause: replication.LostDropped}
+	retry, err := a.handle(ctx, cause)
+	if err != nil {
+		t.Fatalf("handle stopped jetbox run on an unreachable NATS: %v", err)
+	}
+	if retry || ctx.Err() == nil {
+		t.Fatalf("handle returned retry=%v before its back-off ended (ctx %v)", retry, ctx.Err())
 	}
 }

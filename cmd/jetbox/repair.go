@@ -249,6 +249,11 @@ func (r *repairer) run(ctx context.Context) (res repairResult, code int, err err
 		SinceHeader: rg.Header, Stored: ids, Skew: r.margin, Atomic: cfg.Sink.Delivery.Atomic(), Ordered: cfg.Sink.Delivery.Guarded(),
 		MaxInFlight: cfg.Replication.MaxInFlight, MaxInFlightBytes: cfg.Replication.MaxInFlightBytes,
 		CloseTimeout: cfg.Sink.PublishTimeout + 10*time.Second, Log: r.log}
+	if lock != nil {
+		// Publish only while the lock is held: a repair that lost it
+		// stops before another one's rows (or the slot's) follow its own.
+		rcfg.Fence = lock.Check
+	}
 	stream := repairStream{p: pub, source: rep.Origin}
 	stopProgress := r.startProgress(st)
 	err = repair.Run(ctx, stream, func(ctx context.Context, fn func(repair.Row) error) error {
@@ -267,6 +272,9 @@ func (r *repairer) run(ctx context.Context) (res repairResult, code int, err err
 		// a baseline marker at the repair's position lets jetbox run
 		// resume after it, skipping none of the slot's events.
 		ev, err := repair.Baseline(rcfg, cfg.Sink.SubjectPrefix, st.Skipped.Load())
+		if err == nil && lock != nil {
+			err = lock.Check(ctx) // as the rows: only while the lock is held
+		}
 		if err == nil {
 			err = repair.PublishOne(ctx, stream, &ev, rcfg.CloseTimeout)
 		}

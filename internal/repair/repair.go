@@ -102,6 +102,17 @@ type Config struct {
 
 	MaxInFlight      int
 	MaxInFlightBytes int
+	// Fence, if set, says whether this repair may still publish: the
+	// repair lock is still held (replication.RepairLock.Check). It is
+	// called before every publishing session is opened (the first, and
+	// each one after a failure) and at least every FenceEvery while rows
+	// are published; an error stops the repair at once, unretried. Without
+	// it, a repair whose lock was lost (its connection cut, a takeover by
+	// another instance) would reopen sessions after the other writer's
+	// messages made its guarded publishes fail, and store its old rows
+	// after them: out of order, and twice once the window has passed.
+	Fence      func(ctx context.Context) error
+	FenceEvery time.Duration // 0: DefaultFenceEvery
 	// CloseTimeout bounds the wait for a failed pass's acks.
 	CloseTimeout time.Duration
 	MaxBackoff   time.Duration
@@ -113,6 +124,10 @@ type Progress struct {
 	Published atomic.Int64 // stored by this repair
 	Skipped   atomic.Int64 // already in the stream
 }
+
+// DefaultFenceEvery is how often a repair checks its Fence while it
+// publishes (Config.FenceEvery).
+const DefaultFenceEvery = time.Second
 
 // errAbandoned fails the rows of a pass that was given up.
 var errAbandoned = errors.New("the publishing session was abandoned before its ack")
@@ -130,6 +145,9 @@ func Run(ctx context.Context, st Stream, scan Scan, cfg Config, prog *Progress) 
 	}
 	if cfg.CloseTimeout <= 0 {
 		cfg.CloseTimeout = 30 * time.Second
+	}
+	if cfg.FenceEvery <= 0 {
+		cfg.FenceEvery = DefaultFenceEvery
 	}
 	r := &runner{cfg: cfg, st: st, prog: prog, dec: decoder.NewRowDecoder(cfg.Decoder, cfg.Columns),
 		tr: checkpoint.New[*decoder.Event](0, cfg.MaxInFlight, cfg.MaxInFlightBytes)}
@@ -160,6 +178,24 @@ type runner struct {
 	sess    Session
 	k       int           // the next row's Jetbox-Tx-Index
 	backoff time.Duration // the next wait after a failure
+	fenced  time.Time     // when Config.Fence last passed
+}
+
+// fence checks Config.Fence: at once when force, else when FenceEvery has
+// passed since the last check. Its error is permanent (see Config.Fence).
+func (r *runner) fence(ctx context.Context, force bool) error {
+	if r.cfg.Fence == nil || (!force && time.Since(r.fenced) < r.cfg.FenceEvery) {
+		return nil
+	}
+	if err := r.cfg.Fence(ctx); err != nil {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		return fault.New(fmt.Errorf("the repair may no longer publish: %w", err),
+			"another process may be repairing the slot now; this repair stops without publishing more (jetbox run --on-lost-slot=repair stands by, or run jetbox repair again once the other one is done)")
+	}
+	r.fenced = time.Now()
+	return nil
 }
 
 // row publishes one row of the snapshot, unless the stream has it.
@@ -189,6 +225,9 @@ func (r *runner) row(ctx context.Context, row Row) error {
 	e := &ev
 	r.stamp(e)
 	if err := r.recover(ctx); err != nil { // failures seen since the last row
+		return err
+	}
+	if err := r.fence(ctx, false); err != nil {
 		return err
 	}
 	ticket, err := r.add(ctx, e)
@@ -363,6 +402,9 @@ func (r *runner) storedThrough(ctx context.Context) (int, error) {
 // open opens a publishing session, retrying transient failures.
 func (r *runner) open(ctx context.Context) error {
 	for {
+		if err := r.fence(ctx, true); err != nil {
+			return err
+		}
 		sess, err := r.st.Open(ctx)
 		if err == nil {
 			r.sess = sess

@@ -494,3 +494,64 @@ func TestBaseline(t *testing.T) {
 		t.Fatalf("baseline %s at %s/%d with %v", ev.Subject, ev.CommitLSN, ev.TxIndex, tail)
 	}
 }
+
+// A repair whose lock is lost mid-repair (another instance took over, and
+// its messages made this one's guarded publish fail) stops instead of
+// opening a new session and storing its old rows after the other writer's.
+func TestFenceStopsRepublishAfterTakeover(t *testing.T) {
+	cfg := testConfig(t)
+	var mu sync.Mutex
+	lost := false
+	cfg.Fence = func(context.Context) error {
+		mu.Lock()
+		defer mu.Unlock()
+		if lost {
+			return errors.New("fake: the repair lock's connection is gone")
+		}
+		return nil
+	}
+	cfg.FenceEvery = time.Hour // only the forced checks, before each session
+	st := &fakeStream{ordered: true, decide: func(pass int, ev *decoder.Event) verdict {
+		if ev.TxIndex >= 3 {
+			mu.Lock()
+			lost = true // the other repair took the lock and stored first
+			mu.Unlock()
+			return fail
+		}
+		return store
+	}}
+	_, err := run(t, st, scanOf(rows(8)...), cfg)
+	if !fault.Is(err) {
+		t.Fatalf("Run returned %v, want a permanent error (the lock is lost)", err)
+	}
+	if st.opens != 1 {
+		t.Fatalf("%d sessions: a repair without its lock opened another one", st.opens)
+	}
+	if got := st.ids(); !slices.Equal(got, rows(3)) {
+		t.Fatalf("stored %v, want only %v", got, rows(3))
+	}
+}
+
+// Without the order guard nothing makes a lockless repair's publishes
+// fail: the periodic check stops it.
+func TestFenceStopsUnorderedRepair(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.Ordered = false
+	checks := 0
+	cfg.Fence = func(context.Context) error {
+		checks++ // the scan's goroutine only
+		if checks > 3 {
+			return errors.New("fake: the repair lock's connection is gone")
+		}
+		return nil
+	}
+	cfg.FenceEvery = time.Nanosecond // every row
+	st := &fakeStream{}
+	_, err := run(t, st, scanOf(rows(8)...), cfg)
+	if !fault.Is(err) {
+		t.Fatalf("Run returned %v, want a permanent error (the lock is lost)", err)
+	}
+	if n := len(st.ids()); n > 2 {
+		t.Fatalf("stored %d rows after the lock was lost (checks: open, then one per row)", n)
+	}
+}
