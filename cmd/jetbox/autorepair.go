@@ -41,6 +41,15 @@ func autoRepairable(err error) bool {
 	if !errors.As(err, &he) || he.NoTable {
 		return false
 	}
+	// A promotion whose timeline left the stream's before its last row:
+	// the stream holds rows this server never got (phantoms), and ids the
+	// lost transactions used may be handed out again here, which the
+	// repair would take for stored. An operator decides (jetbox repair,
+	// jetbox audit). With --wait-for-standby-slots naming the promoted
+	// standby it does not happen.
+	if he.Branched {
+		return false
+	}
 	return he.Case == replication.CaseLostSlot || he.Case == replication.CaseRepair
 }
 

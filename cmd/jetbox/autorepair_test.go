@@ -29,7 +29,7 @@ func TestAutoRepairDecision(t *testing.T) {
 		cause  string
 	}{
 		{"promotion without the slot", lost(replication.LostPromotion), true, "promotion"},
-		{"promotion on a timeline that branched before the stream's tip", &replication.HistoryError{Case: replication.CaseLostSlot, LostCause: replication.LostPromotion, Branched: true}, true, "promotion"},
+		{"promotion on a timeline that branched before the stream's tip (phantoms)", &replication.HistoryError{Case: replication.CaseLostSlot, LostCause: replication.LostPromotion, Branched: true}, false, ""},
 		{"invalidated slot", lost(replication.LostInvalidated), true, "invalidated"},
 		{"dropped slot", lost(replication.LostDropped), true, "dropped"},
 		{"unfinished repair (its marker)", &replication.HistoryError{Case: replication.CaseRepair}, true, "unfinished-repair"},
