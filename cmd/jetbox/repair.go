@@ -126,42 +126,14 @@ type repairResult struct {
 // it returns replication.ErrRepairBusy (exit 2) and changes nothing.
 func (r *repairer) run(ctx context.Context) (res repairResult, code int, err error) {
 	fail := func(code int, err error) (repairResult, int, error) { return res, code, err }
+	pub, closeSink, code, err := r.openSink(ctx)
+	if err != nil {
+		return fail(code, err)
+	}
+	defer closeSink()
 	cfg := r.cfg
-	stopNATS, err := embedNATS(&cfg)
-	if err != nil {
-		return fail(exitConfig, err)
-	}
-	defer stopNATS()
-	var pubRef atomic.Pointer[sink.Publisher]
-	nc, err := connectNATS(cfg, r.log, func(err error) {
-		if p := pubRef.Load(); p != nil {
-			p.NoteAsyncError(err)
-		}
-	})
-	if err != nil {
-		return fail(exitConfig, fmt.Errorf("connect to NATS %s: %w", redact(cfg.NatsURL), err))
-	}
-	defer nc.Close()
-	pub, err := sink.New(nc, cfg.Sink, r.log)
-	if err != nil {
-		return fail(exitFailure, err)
-	}
-	pubRef.Store(pub)
 	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	if !r.dryRun {
-		if _, err := pub.EnsureStream(sctx); err != nil {
-			return fail(exitConfig, err)
-		}
-	}
-	if limit, err := pub.MessageLimit(sctx); err == nil {
-		cfg.Replication.Decoder.MaxMessageSize = limit
-		cfg.Replication.Decoder.MaxSubjectLength = pub.SubjectLimit()
-		cfg.Replication.Decoder.Size = pub.MessageSize
-	} else if !r.dryRun { // a dry run before the stream exists checks no size
-		return fail(exitFailure, err)
-	}
-	r.cfg = cfg
 
 	var lock *replication.RepairLock
 	if !r.dryRun {
@@ -176,37 +148,12 @@ func (r *repairer) run(ctx context.Context) (res repairResult, code int, err err
 		defer lock.Release(ctx)
 	}
 
-	// A slot that does not continue the stream's history (the server was
-	// restored, or rewound, or promoted on a timeline that branched before
-	// the stream's last row) is replaced: jetbox run refuses it anyway.
-	broken := ""
-	var he *replication.HistoryError
-	hcfg := cfg.Replication
-	hcfg.AcceptLostRows = false
-	last, hasLast, err := replication.VerifyHistory(sctx, cfg.PostgresURL, hcfg, sinkAdapter{p: pub}, r.log)
-	if r.auto {
-		cause, ok, aerr := autoCause(err)
-		if !ok && aerr == nil {
-			return fail(exitOK, nil) // the history is whole: nothing to repair
-		}
-		if !ok && !errors.As(aerr, &he) && !replication.IsPermanent(aerr) {
-			return fail(exitFailure, aerr) // a server unreachable, a standby behind: again later
-		}
-		if !ok {
-			return fail(exitConfig, aerr)
-		}
-		res.Cause = cause
-		if r.started != nil {
-			r.started(cause)
-		}
+	hv, code, err := r.judgeHistory(sctx, pub)
+	if err != nil || hv.whole {
+		return fail(code, err)
 	}
-	switch {
-	case errors.As(err, &he) && (he.Case == replication.CaseRewind || he.Case == replication.CaseTimeline):
-		broken = he.Case + ": " + he.Detail
-	case errors.As(err, &he): // a lost slot, an unfinished repair: OpenRepair's plan
-	case err != nil:
-		return fail(exitFailure, err)
-	}
+	res.Cause = hv.cause
+	last, hasLast, broken := hv.last, hv.hasLast, hv.broken
 
 	rg, err := repair.PlanRange(repair.Last{Seq: last.Seq, CommitTime: last.CommitTime, Stored: last.Stored, RepairSince: last.RepairSince},
 		hasLast, r.since, r.all, r.margin)
@@ -299,6 +246,103 @@ func (r *repairer) run(ctx context.Context) (res repairResult, code int, err err
 			st.Published.Load(), st.Skipped.Load(), elapsed.Round(time.Millisecond), rate)
 	}
 	return fail(exitOK, nil)
+}
+
+// historyVerdict is what the stream's history says to a repair: its last
+// message (hasLast false: none), the break it replaces (broken: a rewind or
+// a branched timeline, "" for a lost slot or an unfinished repair), and
+// for an automatic repair its cause, or whole: nothing to repair.
+type historyVerdict struct {
+	last    replication.StreamTip
+	hasLast bool
+	broken  string
+	cause   string
+	whole   bool
+}
+
+// judgeHistory reads the stream's history against the server (under the
+// repair lock). A slot that does not continue it (the server was restored,
+// or rewound, or promoted on a timeline that branched before the stream's
+// last row) is replaced: jetbox run refuses it anyway. An automatic repair
+// repairs only what autoCause allows. On err, code is the exit code.
+func (r *repairer) judgeHistory(ctx context.Context, pub *sink.Publisher) (hv historyVerdict, code int, err error) {
+	var he *replication.HistoryError
+	hcfg := r.cfg.Replication
+	hcfg.AcceptLostRows = false
+	last, hasLast, err := replication.VerifyHistory(ctx, r.cfg.PostgresURL, hcfg, sinkAdapter{p: pub}, r.log)
+	hv.last, hv.hasLast = last, hasLast
+	if r.auto {
+		cause, ok, aerr := autoCause(err)
+		if !ok && aerr == nil {
+			hv.whole = true // the history is whole: nothing to repair
+			return hv, exitOK, nil
+		}
+		if !ok && !errors.As(aerr, &he) && !replication.IsPermanent(aerr) {
+			return hv, exitFailure, aerr // a server unreachable, a standby behind: again later
+		}
+		if !ok {
+			return hv, exitConfig, aerr
+		}
+		hv.cause = cause
+		if r.started != nil {
+			r.started(cause)
+		}
+	}
+	switch {
+	case errors.As(err, &he) && (he.Case == replication.CaseRewind || he.Case == replication.CaseTimeline):
+		hv.broken = he.Case + ": " + he.Detail
+	case errors.As(err, &he): // a lost slot, an unfinished repair: OpenRepair's plan
+	case err != nil:
+		return hv, exitFailure, err
+	}
+	return hv, exitOK, nil
+}
+
+// openSink connects to NATS (or starts the embedded server), ensures the
+// stream (not in a dry run) and sets the decoder's size limits from it in
+// r.cfg. It returns the publisher and what closes it, or the exit code and
+// error to stop on.
+func (r *repairer) openSink(ctx context.Context) (pub *sink.Publisher, closeSink func(), code int, err error) {
+	cfg := r.cfg
+	stopNATS, err := embedNATS(&cfg)
+	if err != nil {
+		return nil, nil, exitConfig, err
+	}
+	var pubRef atomic.Pointer[sink.Publisher]
+	nc, err := connectNATS(cfg, r.log, func(err error) {
+		if p := pubRef.Load(); p != nil {
+			p.NoteAsyncError(err)
+		}
+	})
+	if err != nil {
+		stopNATS()
+		return nil, nil, exitConfig, fmt.Errorf("connect to NATS %s: %w", redact(cfg.NatsURL), err)
+	}
+	closeSink = func() { nc.Close(); stopNATS() }
+	fail := func(code int, err error) (*sink.Publisher, func(), int, error) {
+		closeSink()
+		return nil, nil, code, err
+	}
+	if pub, err = sink.New(nc, cfg.Sink, r.log); err != nil {
+		return fail(exitFailure, err)
+	}
+	pubRef.Store(pub)
+	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	if !r.dryRun {
+		if _, err := pub.EnsureStream(sctx); err != nil {
+			return fail(exitConfig, err)
+		}
+	}
+	if limit, err := pub.MessageLimit(sctx); err == nil {
+		cfg.Replication.Decoder.MaxMessageSize = limit
+		cfg.Replication.Decoder.MaxSubjectLength = pub.SubjectLimit()
+		cfg.Replication.Decoder.Size = pub.MessageSize
+	} else if !r.dryRun { // a dry run before the stream exists checks no size
+		return fail(exitFailure, err)
+	}
+	r.cfg = cfg
+	return pub, closeSink, exitOK, nil
 }
 
 // report is the dry run: what is missing, without publishing.
