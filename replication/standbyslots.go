@@ -306,6 +306,30 @@ func (s *Streamer) openStandbyGate(ctx context.Context, pid uint32) (*standbyGat
 	return g, nil
 }
 
+// WaitStandbySlotsPast waits until every slot of cfg.StandbySlots has
+// flushed past lsn, with the gate's timeout rules (cfg.StandbySlots): a
+// repair waits for its snapshot's consistent point, before which every row
+// it publishes committed, so that a promoted standby holds every row the
+// repair published. It returns at once when no slot is named.
+func WaitStandbySlotsPast(ctx context.Context, connString string, cfg Config, lsn pglogrepl.LSN, log zerolog.Logger) error {
+	if len(cfg.StandbySlots.Slots) == 0 || lsn == 0 {
+		return nil
+	}
+	conn, err := connect(ctx, connString)
+	if err != nil {
+		return fmt.Errorf("connect to read the standbys' slots (--wait-for-standby-slots): %w", err)
+	}
+	r := &pgSlotReader{conn: conn, slots: cfg.StandbySlots.Slots, at: lsn}
+	defer r.close()
+	m := cfg.Metrics
+	if m == nil {
+		m = metrics.New()
+	}
+	var state atomic.Pointer[StandbySlotState]
+	g := &standbyGate{cfg: cfg.StandbySlots, r: r, log: log, metrics: m, state: &state, now: time.Now, sleep: sleepCtx}
+	return g.pass(ctx, lsn-1, func() error { return nil })
+}
+
 // StandbySlots returns the state of --wait-for-standby-slots' gate (zero
 // while it holds nothing back, or is off).
 func (s *Streamer) StandbySlots() StandbySlotState {
@@ -321,6 +345,9 @@ type pgSlotReader struct {
 	conn  *pgx.Conn
 	slots []string
 	pid   uint32
+	// at, with pid 0: the position to wait for instead of a walsender's
+	// (WaitStandbySlotsPast).
+	at pglogrepl.LSN
 }
 
 // standbySlotsSQL reads the walsender's sent_lsn and, per named slot (in
@@ -356,6 +383,10 @@ func (r *pgSlotReader) read(ctx context.Context) (slotReading, error) {
 	}
 	if err := rows.Err(); err != nil {
 		return slotReading{}, fmt.Errorf("read the standbys' slots (--wait-for-standby-slots): %w", err)
+	}
+	if r.pid == 0 {
+		rd.sent = r.at
+		return rd, nil
 	}
 	if sent == nil {
 		if !found {

@@ -191,6 +191,11 @@ func (r *repairer) run(ctx context.Context) (res repairResult, code int, err err
 		return fail(code, err)
 	}
 
+	// The standbys of --wait-for-standby-slots first hold every row the
+	// repair publishes: a promotion of one of them then leaves no phantom.
+	if err := replication.WaitStandbySlotsPast(ctx, cfg.PostgresURL, cfg.Replication, rep.ConsistentPoint, r.log); err != nil {
+		return fail(exitFailure, err)
+	}
 	st := &repairState{total: total, started: time.Now()}
 	rcfg := repair.Config{Decoder: cfg.Replication.Decoder, Columns: rep.Columns(), Origin: rep.Origin, Position: rep.ConsistentPoint - 1,
 		SinceHeader: rg.Header, Stored: ids, Skew: r.margin, Atomic: cfg.Sink.Delivery.Atomic(), Ordered: cfg.Sink.Delivery.Guarded(),

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -329,6 +330,52 @@ func TestWaitForStandbySlotsSetupProblems(t *testing.T) {
 	for _, want := range []string{`slot \"nosuch\", which does not exist`, `slot \"not_a_standby\", a logical slot`} {
 		if !strings.Contains(log, want) {
 			t.Fatalf("start-up log lacks %q:\n%s", want, p.tail(4096))
+		}
+	}
+}
+
+// TestWaitForStandbySlotsRepair: a repair (jetbox repair, and so the
+// automatic one) with --wait-for-standby-slots publishes nothing until the
+// named standby has flushed its snapshot's consistent point: with the
+// standby stopped it waits (warning after the timeout), and once the
+// standby is back every row reaches the stream once.
+func TestWaitForStandbySlotsRepair(t *testing.T) {
+	testenv.SkipIfShort(t)
+	f := newFixture(t)
+	sb, _ := slowStandby(t, f)
+	o := lostSlotBacklog(f, 300)
+	sb.Stop("fast")
+	rp := f.startCmd([]string{"repair"}, "JETBOX_WAIT_FOR_STANDBY_SLOTS=standby1", "JETBOX_STANDBY_SLOT_TIMEOUT=1s")
+	testenv.WaitFor(t, time.Minute, func() error {
+		select {
+		case <-rp.done:
+			t.Fatalf("jetbox repair exited with %d while the standby was down:\n%s", rp.code, rp.tail(4096))
+		default:
+		}
+		if !strings.Contains(rp.logText(), "publishing waits for them") {
+			return errors.New("the repair does not say yet that it waits for the standby")
+		}
+		return nil
+	})
+	if n, err := testenv.StreamCount(f.js, "OUTBOX"); err != nil || n != 10 {
+		t.Fatalf("stream holds %d messages (%v) while the repair waits for the standby, want the 10 from before", n, err)
+	}
+	sb.Start()
+	if code := rp.wait(2 * time.Minute); code != exitOK {
+		t.Fatalf("jetbox repair exited with %d:\n%s", code, rp.tail(4096))
+	}
+	want := o.ids()
+	f.waitCount(len(want), time.Minute)
+	seen := map[string]bool{}
+	for _, m := range testenv.ReadStream(t, f.js, "OUTBOX", false) {
+		if seen[m.ID] {
+			t.Fatalf("id %s stored twice", m.ID)
+		}
+		seen[m.ID] = true
+	}
+	for _, id := range want {
+		if !seen[id] {
+			t.Fatalf("row %s not in the stream after the repair", id)
 		}
 	}
 }
