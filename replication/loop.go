@@ -72,12 +72,8 @@ func (l *loop) run(ctx context.Context) error {
 		if ctx.Err() != nil {
 			return nil
 		}
-		select {
-		case err := <-l.s.fatal:
+		if ok, err := l.monitorSignal(); ok {
 			return err
-		case err := <-l.s.restart:
-			return err
-		default:
 		}
 		msg, err := l.conn.ReceiveMessage(context.Background())
 		if err != nil {
@@ -252,12 +248,8 @@ func (l *loop) whileBlocked() error {
 			return err
 		}
 	}
-	select {
-	case err := <-l.s.fatal:
+	if ok, err := l.monitorSignal(); ok {
 		return err
-	case err := <-l.s.restart:
-		return err
-	default:
 	}
 	l.lastRecv = time.Now() // not reading while blocked: not a sign of a dead server
 	return nil
@@ -319,3 +311,16 @@ func (l *loop) historyBreak(err error) error {
 }
 
 var errAcceptedBreak = errors.New("the stream's tip was forgotten")
+
+// monitorSignal returns the monitor's reason to stop (fatal) or to
+// reconnect (restart), when one waits (ok).
+func (l *loop) monitorSignal() (ok bool, reason error) {
+	select {
+	case err := <-l.s.fatal:
+		return true, err
+	case err := <-l.s.restart:
+		return true, err
+	default:
+		return false, nil
+	}
+}

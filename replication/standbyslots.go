@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
 	"github.com/jetbox-dev/jetbox/internal/metrics"
+	"github.com/jetbox-dev/jetbox/internal/wait"
 	"github.com/rs/zerolog"
 )
 
@@ -276,18 +277,6 @@ func (g *standbyGate) close() {
 	}
 }
 
-// sleepCtx waits d or until ctx ends.
-func sleepCtx(ctx context.Context, d time.Duration) error {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-t.C:
-		return nil
-	}
-}
-
 // openStandbyGate connects to the primary for the gate of the session
 // whose walsender is pid. It returns nil when no slots are named.
 func (s *Streamer) openStandbyGate(ctx context.Context, pid uint32) (*standbyGate, error) {
@@ -299,7 +288,7 @@ func (s *Streamer) openStandbyGate(ctx context.Context, pid uint32) (*standbyGat
 		return nil, fmt.Errorf("connect to read the standbys' slots (--wait-for-standby-slots): %w", err)
 	}
 	g := &standbyGate{cfg: s.cfg.StandbySlots, r: &pgSlotReader{conn: conn, slots: s.cfg.StandbySlots.Slots, pid: pid},
-		log: s.log, metrics: s.cfg.Metrics, state: &s.standbySlots, now: time.Now, sleep: sleepCtx}
+		log: s.log, metrics: s.cfg.Metrics, state: &s.standbySlots, now: time.Now, sleep: wait.Sleep}
 	if st := s.standbySlots.Load(); st != nil && st.Unguarded {
 		g.unguarded = true // still behind since the last session: recheck at once
 	}
@@ -326,7 +315,7 @@ func WaitStandbySlotsPast(ctx context.Context, connString string, cfg Config, ls
 		m = metrics.New()
 	}
 	var state atomic.Pointer[StandbySlotState]
-	g := &standbyGate{cfg: cfg.StandbySlots, r: r, log: log, metrics: m, state: &state, now: time.Now, sleep: sleepCtx}
+	g := &standbyGate{cfg: cfg.StandbySlots, r: r, log: log, metrics: m, state: &state, now: time.Now, sleep: wait.Sleep}
 	return g.pass(ctx, lsn-1, func() error { return nil })
 }
 

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/jetbox-dev/jetbox/decoder"
+	"github.com/jetbox-dev/jetbox/internal/wait"
 	"github.com/jetbox-dev/jetbox/replication"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -180,13 +181,4 @@ func natsGone(err error) bool {
 }
 
 // sleep waits d, or until ctx ends (false).
-func sleep(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-t.C:
-		return true
-	}
-}
+func sleep(ctx context.Context, d time.Duration) bool { return wait.Sleep(ctx, d) == nil }

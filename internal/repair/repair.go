@@ -31,6 +31,7 @@ import (
 	"github.com/jetbox-dev/jetbox/checkpoint"
 	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/jetbox-dev/jetbox/internal/fault"
+	"github.com/jetbox-dev/jetbox/internal/wait"
 	"github.com/rs/zerolog"
 )
 
@@ -327,7 +328,7 @@ func (r *runner) recover(ctx context.Context) error {
 		r.backoff = min(max(2*r.backoff, 200*time.Millisecond), r.cfg.MaxBackoff)
 		r.cfg.Log.Warn().Err(cause).Int("failed", n).Int("attempt", attempt).Stringer("backoff", r.backoff).
 			Msg("publish failed: republishing from the first unacked row, in order")
-		if err := sleep(ctx, r.backoff); err != nil {
+		if err := wait.Sleep(ctx, r.backoff); err != nil {
 			return err
 		}
 		through, err := r.storedThrough(ctx)
@@ -415,7 +416,7 @@ func (r *runner) open(ctx context.Context) error {
 		}
 		r.backoff = min(max(2*r.backoff, 200*time.Millisecond), r.cfg.MaxBackoff)
 		r.cfg.Log.Warn().Err(err).Stringer("backoff", r.backoff).Msg("open publishing session")
-		if err := sleep(ctx, r.backoff); err != nil {
+		if err := wait.Sleep(ctx, r.backoff); err != nil {
 			return err
 		}
 	}
@@ -445,15 +446,4 @@ func (r *runner) deadLetterable(err error) *decoder.InvalidEventError {
 		return ie
 	}
 	return nil
-}
-
-func sleep(ctx context.Context, d time.Duration) error {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-t.C:
-		return nil
-	}
 }
