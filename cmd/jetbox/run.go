@@ -525,10 +525,12 @@ func runExit(ctx context.Context, err error, cfg Config, pub *sink.Publisher, st
 	st := pub.Stats()
 	ev := log.Info()
 	next := ""
+	var finalScrape <-chan struct{}
 	if err != nil {
 		ev = log.Error().Err(err)
 		var ie *decoder.InvalidEventError
 		if errors.As(err, &ie) {
+			finalScrape = ops.nextScrape() // armed before the count: a scrape that has it counts
 			if ie.DeadLetterable() {
 				next = "the slot stays before this row, so nothing after it is lost: fix the cause and restart, " + deadLetterNext(cfg, ie.Code, "restart")
 			}
@@ -543,12 +545,11 @@ func runExit(ctx context.Context, err error, cfg Config, pub *sink.Publisher, st
 		if next != "" {
 			fmt.Fprintln(stderr, "jetbox:", next)
 		}
-		var ie *decoder.InvalidEventError
-		if errors.As(err, &ie) && ops != nil && cfg.FinalScrapeWait > 0 {
+		if finalScrape != nil && cfg.FinalScrapeWait > 0 {
 			// A restart stops on the same row: nothing is lost by staying
 			// until Prometheus has the count (JetboxInvalidRows).
 			log.Info().Stringer("final_scrape_wait", cfg.FinalScrapeWait).Msg("waiting for a scrape of /metrics before exiting")
-			scraped := ops.awaitScrape(ctx, cfg.FinalScrapeWait)
+			scraped := awaitScrape(ctx, finalScrape, cfg.FinalScrapeWait)
 			log.Info().Bool("scraped", scraped).Msg("exiting")
 		}
 		return exitFailure

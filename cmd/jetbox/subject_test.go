@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"io"
 	"net/http"
 	"strings"
@@ -140,5 +141,33 @@ func TestHealthzFailsOnClosedNATS(t *testing.T) {
 	}
 	if code, body := health(); code != http.StatusServiceUnavailable || !strings.Contains(body, "closed for good") {
 		t.Fatalf("/healthz %d %s on a closed connection", code, body)
+	}
+}
+
+// TestFinalScrapeCountsAScrapeBeforeTheWait: a scrape served between the
+// stop's count and the start of its wait has the count, so the wait ends at
+// once rather than waiting for one more scrape that may never come.
+func TestFinalScrapeCountsAScrapeBeforeTheWait(t *testing.T) {
+	addr := httpAddr(t)
+	ops, err := startOps(addr, metrics.New(), zerolog.Nop())
+	must(t, err)
+	defer ops.close()
+	scrape := func() {
+		resp, err := http.Get("http://" + addr + "/metrics")
+		must(t, err)
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+	}
+	scrape() // before the stop: does not count
+	next := ops.nextScrape()
+	if awaitScrape(context.Background(), next, time.Millisecond) {
+		t.Fatal("a scrape before nextScrape counted")
+	}
+	scrape()
+	if !awaitScrape(context.Background(), next, 10*time.Second) {
+		t.Fatal("the scrape between nextScrape and awaitScrape did not count")
+	}
+	if awaitScrape(context.Background(), nil, time.Second) {
+		t.Fatal("no ops server: awaitScrape returned true")
 	}
 }
