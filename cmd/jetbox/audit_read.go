@@ -167,42 +167,114 @@ func (a *auditor) readStream(ctx context.Context, st jetstream.Stream, sr stream
 	if ci := cons.CachedInfo(); ci != nil && ci.NumPending == 0 {
 		return nil // no message stored at or after the start
 	}
-	it, err := cons.Messages(jetstream.PullMaxMessages(16384))
+	r := newBatchReader(sr.last)
+	cc, err := cons.Consume(r.handle, jetstream.PullMaxMessages(16384), jetstream.ConsumeErrHandler(r.consumeError))
 	if err != nil {
 		return fmt.Errorf("read stream %q: %w", a.s.cfg.Sink.Stream, err)
 	}
-	defer it.Stop()
+	defer cc.Stop()
+	defer close(r.done) // before Stop: a handler blocked on a send returns
 	end := a.s.until.Add(a.s.margin)
 	passed := false // the stream passed the range: reading on for late copies
 	for {
-		m, err := it.Next(jetstream.NextContext(ctx))
-		if err != nil {
+		var batch []streamMsg
+		select {
+		case batch = <-r.batches:
+		case err := <-r.errs:
 			return fmt.Errorf("read stream %q (%d messages read): %w", a.s.cfg.Sink.Stream, a.msgs.Load(), err)
+		case <-ctx.Done():
+			return fmt.Errorf("read stream %q (%d messages read): %w", a.s.cfg.Sink.Stream, a.msgs.Load(), ctx.Err())
 		}
-		md, err := m.Metadata()
-		if err != nil {
-			return fmt.Errorf("read stream %q: %w", a.s.cfg.Sink.Stream, err)
-		}
-		msg, o, ok := auditMsg(m.Headers(), md.Sequence.Stream, md.Timestamp)
-		a.msgs.Add(1)
-		if !passed && msg.Time.After(end) && !msg.Repaired && a.ours(o, ok) {
-			// This writer publishes in commit order: none of its later
-			// messages is of the range. Rows still unmatched may have
-			// been stored later (jetbox repair, another publisher).
-			if err := aud.EndRows(ctx); err != nil {
+		for _, m := range batch {
+			a.msgs.Add(1)
+			if !passed && m.msg.Time.After(end) && !m.msg.Repaired && a.ours(m.origin, m.hasOrigin) {
+				// This writer publishes in commit order: none of its later
+				// messages is of the range. Rows still unmatched may have
+				// been stored later (jetbox repair, another publisher).
+				if err := aud.EndRows(ctx); err != nil {
+					return err
+				}
+				if aud.Missing() == 0 {
+					return nil
+				}
+				passed = true
+			}
+			if err := aud.Msg(ctx, m.msg); err != nil {
 				return err
 			}
-			if aud.Missing() == 0 {
+			if m.last {
 				return nil
 			}
-			passed = true
 		}
-		if err := aud.Msg(ctx, msg); err != nil {
-			return err
-		}
-		if md.Sequence.Stream >= sr.last || md.NumPending == 0 {
-			return nil
-		}
+	}
+}
+
+// streamMsg is one stored message as the audit compares it.
+type streamMsg struct {
+	msg       audit.Msg
+	origin    format.Origin
+	hasOrigin bool // origin parsed: a message jetbox wrote
+	last      bool // the stream's last message at the audit's start, or the last stored now
+}
+
+// batchReader turns the ordered consumer's callbacks into batches for the
+// audit's goroutine: the headers are parsed and mapped in the consumer's
+// delivery goroutine while the audit compares the batch before, and a
+// batch costs one channel hand-off rather than one per message.
+type batchReader struct {
+	lastSeq uint64 // the stream's last sequence at the audit's start
+	batch   []streamMsg
+	batches chan []streamMsg
+	errs    chan error
+	done    chan struct{} // closed when the audit stops reading
+}
+
+// batchSize: messages handed over at once; a batch is handed over early
+// when the consumer has delivered all the stream holds.
+const batchSize = 512
+
+func newBatchReader(lastSeq uint64) *batchReader {
+	return &batchReader{lastSeq: lastSeq, batch: make([]streamMsg, 0, batchSize), batches: make(chan []streamMsg, 4), errs: make(chan error, 1), done: make(chan struct{})}
+}
+
+// handle is the consumer's message handler, called in stream order.
+func (r *batchReader) handle(m jetstream.Msg) {
+	md, err := m.Metadata()
+	if err != nil {
+		r.fail(err)
+		return
+	}
+	msg, o, ok := auditMsg(m.Headers(), md.Sequence.Stream, md.Timestamp)
+	last := md.Sequence.Stream >= r.lastSeq || md.NumPending == 0
+	r.batch = append(r.batch, streamMsg{msg: msg, origin: o, hasOrigin: ok, last: last})
+	if len(r.batch) < batchSize && !last {
+		return
+	}
+	select {
+	case r.batches <- r.batch:
+		r.batch = make([]streamMsg, 0, batchSize)
+	case <-r.done:
+	}
+}
+
+// consumeError ends the read on any error but those the ordered consumer
+// recovers from by recreating itself from the last message delivered (a
+// missed heartbeat, a deleted consumer, no responders, a leader change):
+// an error it stops on (a closed connection, a bad request) would leave
+// the audit waiting for messages that never come.
+func (r *batchReader) consumeError(_ jetstream.ConsumeContext, err error) {
+	switch {
+	case errors.Is(err, jetstream.ErrNoHeartbeat), errors.Is(err, jetstream.ErrConsumerDeleted),
+		errors.Is(err, nats.ErrNoResponders), errors.Is(err, jetstream.ErrConsumerLeadershipChanged):
+	default:
+		r.fail(err)
+	}
+}
+
+func (r *batchReader) fail(err error) {
+	select {
+	case r.errs <- err:
+	default:
 	}
 }
 

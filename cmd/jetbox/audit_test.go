@@ -463,3 +463,34 @@ func TestCheckOrderIndex(t *testing.T) {
 		t.Fatalf("check with the index: exit %d:\n%s%s", code, out.String(), errOut.String())
 	}
 }
+
+// TestAuditReadErrors: the stream read ends on an error the ordered
+// consumer does not recover from, and goes on through those it recovers
+// from by recreating itself.
+func TestAuditReadErrors(t *testing.T) {
+	for _, c := range []struct {
+		err   error
+		fatal bool
+	}{
+		{jetstream.ErrNoHeartbeat, false},
+		{jetstream.ErrConsumerDeleted, false},
+		{jetstream.ErrConsumerLeadershipChanged, false},
+		{nats.ErrNoResponders, false},
+		{jetstream.ErrConnectionClosed, true},
+		{jetstream.ErrBadRequest, true},
+		{jetstream.ErrStreamNotFound, true},
+	} {
+		r := newBatchReader(10)
+		r.consumeError(nil, c.err)
+		select {
+		case err := <-r.errs:
+			if !c.fatal {
+				t.Errorf("%v ended the read (%v)", c.err, err)
+			}
+		default:
+			if c.fatal {
+				t.Errorf("%v did not end the read", c.err)
+			}
+		}
+	}
+}
