@@ -237,12 +237,22 @@ func (b *bench) verifyRelay(ctx context.Context, d deployment) error {
 }
 
 // createStream creates a stream configured as jetbox creates its own (file
-// storage, one replica, the default 2-minute duplicate window), capturing
-// prefix.>; batch also allows fast-ingest batch publishing.
+// storage, one replica), capturing prefix.>; batch also allows fast-ingest
+// batch publishing. Its duplicate window is 2 minutes, or
+// JETBOX_DUPLICATE_WINDOW when set, the window the bench's jetbox then
+// creates its streams with too (it inherits the environment).
 func (b *bench) createStream(ctx context.Context, name, prefix string, batch bool) error {
+	window := 2 * time.Minute
+	if v := os.Getenv("JETBOX_DUPLICATE_WINDOW"); v != "" {
+		w, err := time.ParseDuration(v)
+		if err != nil {
+			return fmt.Errorf("JETBOX_DUPLICATE_WINDOW=%q: %w (give a duration such as 2m)", v, err)
+		}
+		window = w
+	}
 	_, err := b.srv.js.CreateStream(ctx, jetstream.StreamConfig{
 		Name: name, Subjects: []string{prefix + ".>"}, Storage: jetstream.FileStorage, Replicas: 1,
-		Duplicates: 2 * time.Minute, AllowBatchPublish: batch,
+		Duplicates: window, AllowBatchPublish: batch,
 	})
 	if err != nil {
 		return fmt.Errorf("create stream %s: %w", name, err)

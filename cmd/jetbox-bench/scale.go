@@ -11,15 +11,18 @@ import (
 )
 
 // scaleRun is one point of the scaling tables: a jetbox catch-up
-// (exactly-once, the default delivery) at one size of the work, and for the
-// payload sizes raw publishing of the same messages beside it.
+// (exactly-once, the default delivery) at one size of the work, and beside
+// it raw publishing of the same messages (payload and backlog sizes) and
+// pg_recvlogical decoding the same WAL (backlog sizes): which side slows
+// down as the backlog grows.
 type scaleRun struct {
 	Kind    string // scaleRows, scalePayload or scaleTx
 	Rows    int
 	TxRows  int
 	Payload int
 	Jetbox  *throughput
-	Raw     *throughput // scalePayload only
+	Raw     *throughput // scalePayload and scaleRows
+	Recv    *throughput // scaleRows only
 }
 
 const (
@@ -43,9 +46,18 @@ func (b *bench) runScale(ctx context.Context, rep *Report) {
 		run := scaleRun{Kind: kind, Rows: rows, TxRows: txRows, Payload: payload}
 		d := newDeployment(fmt.Sprintf("%s_%d_%d_%d", strings.ReplaceAll(kind, "-", "_"), rows, txRows, payload), "exactly-once")
 		name := fmt.Sprintf("jetbox, %s rows in transactions of %s, %s-byte payloads", groupDigits(float64(rows)), groupDigits(float64(txRows)), groupDigits(float64(payload)))
-		run.Jetbox, _ = b.jetboxCatchup(ctx, name, d, rows, txRows, catchupOpts{payload: payload})
+		opts := catchupOpts{payload: payload}
+		if kind == scaleRows {
+			opts.recvSlot = "recv"
+		}
+		var endLSN string
+		run.Jetbox, endLSN = b.jetboxCatchup(ctx, name, d, rows, txRows, opts)
+		if kind == scaleRows {
+			run.Recv = b.recvlogical(ctx, d, opts.recvSlot, endLSN, rows)
+			b.dropSlot(ctx, d, opts.recvSlot)
+		}
 		b.drop(ctx, d)
-		if kind == scalePayload {
+		if kind == scalePayload || kind == scaleRows {
 			stream := strings.ToUpper(fmt.Sprintf("rawsize%d", payload))
 			run.Raw = b.rawPublishSized(ctx, "raw async publish, "+groupDigits(float64(payload))+" B", stream, rows, jetboxGuarded, payload)
 			if err := b.srv.js.DeleteStream(ctx, stream); err != nil {
@@ -105,6 +117,17 @@ func (b *bench) drop(ctx context.Context, d deployment) {
 	}
 }
 
+// dropSlot removes slot from d's database (a floor's slot, before the
+// deployment itself is removed; not with --keep).
+func (b *bench) dropSlot(ctx context.Context, d deployment, slot string) {
+	if b.cfg.Keep {
+		return
+	}
+	if err := b.srv.exec(ctx, d.db, "SELECT pg_drop_replication_slot($1)", slot); err != nil {
+		b.log.Warn().Err(err).Str("slot", slot).Msg("drop slot")
+	}
+}
+
 // printScale writes the scaling tables.
 func (r *Report) printScale(w io.Writer) {
 	table := func(kind, title, head, sep string, row func(s scaleRun) string) {
@@ -125,12 +148,12 @@ func (r *Report) printScale(w io.Writer) {
 		}
 		return fmt.Sprintf("%.1f", t.rate()*float64(payload)/1e6)
 	}
-	table(scaleRows, "Catch-up by backlog size (exactly-once):",
-		"| rows | transactions of | events/s | elapsed | jetbox CPU µs/event | jetbox peak RSS | check |", "|--:|--:|--:|--:|--:|--:|---|",
+	table(scaleRows, "Catch-up by backlog size (exactly-once), beside pg_recvlogical decoding the same WAL and raw async publishing of the same number of messages (same headers and order guard):",
+		"| rows | transactions of | events/s | elapsed | jetbox CPU µs/event | jetbox peak RSS | pg_recvlogical events/s | raw events/s | check |", "|--:|--:|--:|--:|--:|--:|--:|--:|---|",
 		func(s scaleRun) string {
 			t := s.Jetbox
-			return fmt.Sprintf("| %s | %s | %s | %s | %s | %s | %s |", groupDigits(float64(s.Rows)), groupDigits(float64(s.TxRows)), groupDigits(t.rate()),
-				seconds(t.Elapsed), micros(t.CPU.Forwarder/time.Duration(max(1, t.Events))), mebibytes(t.RSS), check(t.Err))
+			return fmt.Sprintf("| %s | %s | %s | %s | %s | %s | %s | %s | %s |", groupDigits(float64(s.Rows)), groupDigits(float64(s.TxRows)), groupDigits(t.rate()),
+				seconds(t.Elapsed), micros(t.CPU.Forwarder/time.Duration(max(1, t.Events))), mebibytes(t.RSS), rateOf(s.Recv), rateOf(s.Raw), check(firstErr(t.Err, errOf(s.Recv), errOf(s.Raw))))
 		})
 	table(scalePayload, "Catch-up by payload size (exactly-once), beside raw async publishing of the same messages (same headers and order guard):",
 		"| payload | rows | jetbox events/s | jetbox payload MB/s | raw events/s | raw payload MB/s | jetbox / raw | jetbox peak RSS | check |", "|--:|--:|--:|--:|--:|--:|--:|--:|---|",
@@ -150,6 +173,21 @@ func (r *Report) printScale(w io.Writer) {
 			return fmt.Sprintf("| %s | %s | %s | %s | %s | %s |", groupDigits(float64(s.TxRows)), groupDigits(float64(s.Rows)), groupDigits(t.rate()),
 				seconds(t.Elapsed), mebibytes(t.RSS), check(t.Err))
 		})
+}
+
+// rateOf is t's rate for a table, "—" when it was not measured or failed.
+func rateOf(t *throughput) string {
+	if t == nil || t.Err != nil || t.rate() <= 0 {
+		return "—"
+	}
+	return groupDigits(t.rate())
+}
+
+func errOf(t *throughput) error {
+	if t == nil {
+		return nil
+	}
+	return t.Err
 }
 
 func firstErr(errs ...error) error {

@@ -95,12 +95,20 @@ func TestMillionRowTransaction(t *testing.T) {
 // Run: go test ./cmd/jetbox -run '^$' -bench CatchUp -benchtime 1x
 // JETBOX_BENCH_ENV adds jetbox settings, space-separated, e.g.
 // "JETBOX_DELIVERY=exactly-once JETBOX_ATOMIC_TRANSACTIONS=true".
+// JETBOX_BENCH_CLUSTER=3 runs on a three-node cluster and an R3 stream
+// (atomic batches allowed), where the server stages batches in memory.
 func BenchmarkCatchUp(b *testing.B) {
 	rows := envInt("JETBOX_BENCH_ROWS", 200_000)
 	env := append([]string{"JETBOX_LOG_LEVEL=info"}, strings.Fields(os.Getenv("JETBOX_BENCH_ENV"))...)
+	cluster := os.Getenv("JETBOX_BENCH_CLUSTER") == "3"
 	for i := 0; i < b.N; i++ {
 		b.StopTimer()
-		f := newFixture(b)
+		var f *fixture
+		if cluster {
+			f, _ = newClusterFixture(b, true)
+		} else {
+			f = newFixture(b)
+		}
 		p := f.start(env...)
 		f.waitStreaming(p)
 		p.stop()

@@ -26,7 +26,7 @@ func TestClusterLeaderKills(t *testing.T) {
 
 // newClusterFixture points a fixture at a three-node JetStream cluster
 // holding an R3 OUTBOX stream (allowing atomic batches when atomic is set).
-func newClusterFixture(t *testing.T, atomic bool) (*fixture, *testenv.Cluster) {
+func newClusterFixture(t testing.TB, atomic bool) (*fixture, *testenv.Cluster) {
 	f := newFixture(t)
 	c := testenv.StartCluster(t, 3)
 	f.natURL = c.URLs()
