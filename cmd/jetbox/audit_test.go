@@ -24,7 +24,8 @@ type auditResult struct {
 	code           int
 	stdout, stderr string
 	elapsed        time.Duration
-	maxRSS         int64 // bytes
+	maxRSS         int64         // bytes
+	cpu            time.Duration // user and system time of the audit
 }
 
 // audit runs jetbox audit to its end; extra env entries override.
@@ -74,7 +75,7 @@ func (f *fixture) auditFor(timeout time.Duration, extra ...string) auditResult {
 	} else if err != nil {
 		f.t.Fatalf("jetbox audit: %v", err)
 	}
-	return auditResult{code, out.String(), errb.String(), elapsed, rss}
+	return auditResult{code, out.String(), errb.String(), elapsed, rss, cmd.ProcessState.UserTime() + cmd.ProcessState.SystemTime()}
 }
 
 // auditJSON runs jetbox audit --json and parses its report.
@@ -260,7 +261,7 @@ func TestAuditRate(t *testing.T) {
 	if r.code != 0 || !strings.Contains(r.stdout, fmt.Sprintf("rows:           %d\n", n)) {
 		t.Fatalf("jetbox audit exited with %d, want 0 with %d rows:\n%s\n%s", r.code, n, r.stdout, r.stderr)
 	}
-	t.Logf("audit of %d rows: %s, %.0f rows/s, peak RSS %.1f MiB", n, r.elapsed.Round(time.Millisecond), float64(n)/r.elapsed.Seconds(), float64(r.maxRSS)/(1<<20))
+	t.Logf("audit of %d rows: %s, %.0f rows/s, peak RSS %.1f MiB, CPU %.2f µs/row", n, r.elapsed.Round(time.Millisecond), float64(n)/r.elapsed.Seconds(), float64(r.maxRSS)/(1<<20), float64(r.cpu.Microseconds())/float64(n))
 }
 
 // seqOf returns the stream sequence of the message with id.
