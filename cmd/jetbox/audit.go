@@ -8,7 +8,6 @@ import (
 	"io"
 	"os"
 	"runtime/debug"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -30,14 +29,14 @@ const exitFound = 1
 // stream, once (see "Proving the stream complete" in docs/operations.md).
 type auditCmd struct {
 	RunFlags
-	Since    string `name:"since" env:"JETBOX_AUDIT_SINCE" help:"Audit rows from this time on: RFC 3339, or a duration back from now (24h). Default: the oldest row the table holds." placeholder:"TIME"`
-	Until    string `name:"until" env:"JETBOX_AUDIT_UNTIL" help:"Audit rows up to this time: RFC 3339, or a duration back from now. Default: now minus --grace." placeholder:"TIME"`
-	Grace    string `name:"grace" env:"JETBOX_AUDIT_GRACE" default:"1m" help:"With the default --until: leave out the rows of the last grace, which jetbox run may not have published yet."`
-	Margin   string `name:"margin" env:"JETBOX_AUDIT_MARGIN" default:"10m" help:"The longest transaction plus the clock skew between Postgres and NATS: how far before --since the stream is read, and how long after its order key a row's message may commit."`
-	JSON     bool   `name:"json" env:"JETBOX_AUDIT_JSON" help:"Print the report as JSON on stdout."`
-	Strict   bool   `name:"strict" env:"JETBOX_AUDIT_STRICT" help:"Count stream messages whose id the table does not hold as a defect (exit 1): for an outbox that no job deletes from, and no other writer."`
-	PageSize string `name:"page-size" env:"JETBOX_AUDIT_PAGE_SIZE" default:"10000" help:"Rows read per query."`
-	Progress string `name:"progress-interval" env:"JETBOX_AUDIT_PROGRESS_INTERVAL" default:"5s" help:"How often to print progress (rows and messages read) on stderr."`
+	Since    string       `name:"since" env:"JETBOX_AUDIT_SINCE" help:"Audit rows from this time on: RFC 3339, or a duration back from now (24h). Default: the oldest row the table holds." placeholder:"TIME"`
+	Until    string       `name:"until" env:"JETBOX_AUDIT_UNTIL" help:"Audit rows up to this time: RFC 3339, or a duration back from now. Default: now minus --grace." placeholder:"TIME"`
+	Grace    durationFlag `name:"grace" env:"JETBOX_AUDIT_GRACE" default:"1m" help:"With the default --until: leave out the rows of the last grace, which jetbox run may not have published yet."`
+	Margin   durationFlag `name:"margin" env:"JETBOX_AUDIT_MARGIN" default:"10m" help:"The longest transaction plus the clock skew between Postgres and NATS: how far before --since the stream is read, and how long after its order key a row's message may commit."`
+	JSON     bool         `name:"json" env:"JETBOX_AUDIT_JSON" help:"Print the report as JSON on stdout."`
+	Strict   bool         `name:"strict" env:"JETBOX_AUDIT_STRICT" help:"Count stream messages whose id the table does not hold as a defect (exit 1): for an outbox that no job deletes from, and no other writer."`
+	PageSize intFlag      `name:"page-size" env:"JETBOX_AUDIT_PAGE_SIZE" default:"10000" help:"Rows read per query."`
+	Progress durationFlag `name:"progress-interval" env:"JETBOX_AUDIT_PROGRESS_INTERVAL" default:"5s" help:"How often to print progress (rows and messages read) on stderr."`
 }
 
 // auditSettings are an audit's validated flags.
@@ -67,20 +66,19 @@ func (c *auditCmd) settings(now time.Time) (auditSettings, error) {
 	bad := func(flag, value, problem, hint string) {
 		errs = append(errs, &ConfigError{Flag: flag, Env: "JETBOX_AUDIT_" + strings.ToUpper(strings.ReplaceAll(flag, "-", "_")), Value: value, Problem: problem, Hint: hint})
 	}
-	dur := func(flag, v string, positive bool) time.Duration {
-		d, err := time.ParseDuration(v)
-		if err != nil || d < 0 || (positive && d == 0) {
-			bad(flag, v, "not a duration ≥ 0 (or > 0)", "use e.g. 1m")
+	dur := func(flag string, v durationFlag, positive bool) time.Duration {
+		if v.failed() || v.Value < 0 || (positive && v.Value == 0) {
+			bad(flag, v.Text, "not a duration ≥ 0 (or > 0)", "use e.g. 1m")
 		}
-		return d
+		return v.Value
 	}
 	grace := dur("grace", c.Grace, false)
 	s.margin = dur("margin", c.Margin, false)
 	s.progress = dur("progress-interval", c.Progress, true)
-	if n, err := strconv.Atoi(c.PageSize); err != nil || n < 1 || n > 1_000_000 {
-		bad("page-size", c.PageSize, "not a number of rows between 1 and 1000000", "use e.g. 10000")
+	if n := c.PageSize; n.failed() || n.Value < 1 || n.Value > 1_000_000 {
+		bad("page-size", n.Text, "not a number of rows between 1 and 1000000", "use e.g. 10000")
 	} else {
-		s.pageSize = n
+		s.pageSize = int(n.Value)
 	}
 	point := func(flag, v string) time.Time {
 		if t, err := time.Parse(time.RFC3339Nano, v); err == nil {

@@ -114,7 +114,9 @@ func TestOnLostSlotConfig(t *testing.T) {
 		var f RunFlags
 		parseDefaults(t, &f)
 		f.PostgresURL = "postgres://u@127.0.0.1/db"
-		f.OnLostSlot, f.AcceptLostRows, f.Source, f.LostSlotMargin = c.mode, boolText(c.accept), c.source, c.margin
+		f.OnLostSlot, f.Source = c.mode, c.source
+		f.AcceptLostRows.set(c.accept)
+		f.LostSlotMargin.set(c.margin)
 		cfg, err := f.Config()
 		switch {
 		case c.want == "" && err != nil:

@@ -196,26 +196,25 @@ func (p *problems) bad(flag, value, problem, fix string) {
 	p.errs = append(p.errs, &ConfigError{Flag: flag, Env: envName(flag), Value: value, Problem: problem, Hint: fix})
 }
 
-// dur parses flag's duration, within [min, max] (max 0: no bound).
-func (p *problems) dur(flag, v string, min, max time.Duration) time.Duration {
-	d, err := time.ParseDuration(v)
-	if err != nil {
-		p.bad(flag, v, "not a duration", "use a Go duration such as 500ms, 30s or 2m")
+// dur reads flag's duration, within [min, max] (max 0: no bound).
+func (p *problems) dur(flag string, v durationFlag, min, max time.Duration) time.Duration {
+	if v.failed() {
+		p.bad(flag, v.Text, "not a duration", "use a Go duration such as 500ms, 30s or 2m")
 		return 0
 	}
-	if d < min || (max > 0 && d > max) {
-		p.bad(flag, v, "out of range", fmt.Sprintf("use a value between %s and %s", min, max))
+	if v.Value < min || (max > 0 && v.Value > max) {
+		p.bad(flag, v.Text, "out of range", fmt.Sprintf("use a value between %s and %s", min, max))
 	}
-	return d
+	return v.Value
 }
 
-// boolean parses a boolean flag.
-func (p *problems) boolean(flag string, v boolText) bool {
-	b, err := strconv.ParseBool(string(v))
-	if err != nil {
-		p.bad(flag, string(v), "not a boolean", "use true or false")
+// boolean reads a boolean flag.
+func (p *problems) boolean(flag string, v boolFlag) bool {
+	if v.failed() {
+		p.bad(flag, v.Text, "not a boolean", "use true or false")
+		return false
 	}
-	return b
+	return v.Value
 }
 
 // err is every problem, joined; nil when there is none.
@@ -361,10 +360,9 @@ func (f *RunFlags) sources(bad func(flag, value, problem, fix string)) (fromTabl
 // both problems are reported, each under its own flag; --partitions is
 // blamed only for not matching the template's {partition}.
 func (f *RunFlags) subjects(bad func(flag, value, problem, fix string)) *decoder.Template {
-	partitions, err := strconv.Atoi(f.Partitions)
-	badPartitions := err != nil || partitions < 0 || partitions > 100000
+	badPartitions := f.Partitions.failed() || f.Partitions.Value < 0 || f.Partitions.Value > 100000
 	if badPartitions {
-		bad("partitions", f.Partitions, "not a count between 0 and 100000", "use 0 (no {partition}) or e.g. 16")
+		bad("partitions", f.Partitions.Text, "not a count between 0 and 100000", "use 0 (no {partition}) or e.g. 16")
 	}
 	hasPartition := strings.Contains(f.SubjectTemplate, decoder.TokenPartition)
 	syntaxN := 0
@@ -378,9 +376,9 @@ func (f *RunFlags) subjects(bad func(flag, value, problem, fix string)) *decoder
 	if badPartitions {
 		return nil
 	}
-	tpl, err := decoder.ParseTemplate(f.SubjectTemplate, partitions)
+	tpl, err := decoder.ParseTemplate(f.SubjectTemplate, int(f.Partitions.Value))
 	if err != nil {
-		flag, value := "partitions", f.Partitions
+		flag, value := "partitions", f.Partitions.Text
 		if hasPartition {
 			flag, value = "subject-template", f.SubjectTemplate // {partition} without a count
 		}
@@ -430,11 +428,11 @@ func (f *RunFlags) timings(p *problems) timings {
 		maxOutage:    p.dur("max-outage", f.MaxOutage, 0, 0),
 	}
 	if t.heartbeat > 0 && t.heartbeat < time.Second {
-		p.bad("heartbeat-interval", f.Heartbeat, "shorter than 1s", "use 0 (off) or e.g. 10s")
+		p.bad("heartbeat-interval", f.Heartbeat.Text, "shorter than 1s", "use 0 (off) or e.g. 10s")
 	}
 	t.monitor = p.dur("monitor-interval", f.MonitorInterval, 100*time.Millisecond, time.Hour)
 	if t.status > 0 && t.postgres > 0 && t.postgres < 3*t.status {
-		p.bad("postgres-timeout", f.PostgresTimeout, "shorter than 3 status intervals", "raise --postgres-timeout or lower --status-interval")
+		p.bad("postgres-timeout", f.PostgresTimeout.Text, "shorter than 3 status intervals", "raise --postgres-timeout or lower --status-interval")
 	}
 	return t
 }
@@ -467,10 +465,10 @@ func (f *RunFlags) auditLoop(p *problems, fromTable bool) AuditLoopConfig {
 	a := AuditLoopConfig{Interval: p.dur("audit-interval", f.AuditInterval, 0, 24*time.Hour), Grace: p.dur("audit-grace", f.AuditGrace, 0, 24*time.Hour),
 		Margin: p.dur("audit-margin", f.AuditMargin, 0, 24*time.Hour), PageSize: 10_000, CreatedAtColumn: f.CreatedAtColumn}
 	if a.Interval > 0 && a.Interval < time.Second {
-		p.bad("audit-interval", f.AuditInterval, "shorter than 1s", "use 0 (off) or e.g. 1h")
+		p.bad("audit-interval", f.AuditInterval.Text, "shorter than 1s", "use 0 (off) or e.g. 1h")
 	}
 	if a.Interval > 0 && !fromTable {
-		p.bad("audit-interval", f.AuditInterval, "the audit compares the outbox table's rows with the stream, and --source=messages has no table",
+		p.bad("audit-interval", f.AuditInterval.Text, "the audit compares the outbox table's rows with the stream, and --source=messages has no table",
 			"drop --audit-interval (0), or audit a table source")
 	}
 	return a
@@ -485,22 +483,25 @@ type windowLimits struct {
 // limits reads the count and size flags.
 func (f *RunFlags) limits(bad func(flag, value, problem, fix string)) windowLimits {
 	var l windowLimits
-	maxRetained, err := parseBytes(f.MaxRetainedWAL)
-	if err != nil {
-		bad("max-retained-wal", f.MaxRetainedWAL, "not a size", "use e.g. 1GiB, or 0 to disable")
+	if f.MaxRetainedWAL.failed() {
+		bad("max-retained-wal", f.MaxRetainedWAL.Text, "not a size", "use e.g. 1GiB, or 0 to disable")
 	}
-	l.retainedWAL = int64(maxRetained)
-	if l.inFlight, err = strconv.Atoi(f.MaxInFlight); err != nil || l.inFlight < 1 || l.inFlight > 100000 {
-		bad("max-in-flight", f.MaxInFlight, "not a count between 1 and 100000", "use e.g. 1024")
+	l.retainedWAL = f.MaxRetainedWAL.Value
+	if n := f.MaxInFlight; n.failed() || n.Value < 1 || n.Value > 100000 {
+		bad("max-in-flight", n.Text, "not a count between 1 and 100000", "use e.g. 1024")
+	} else {
+		l.inFlight = int(n.Value)
 	}
-	if l.controlLine, err = strconv.Atoi(f.NatsMaxCtlLine); err != nil || l.controlLine < 256 || l.controlLine > 1<<24 {
-		bad("nats-max-control-line", f.NatsMaxCtlLine, "not a size between 256 and 16777216 bytes", "use the server's max_control_line (nats-server's default: 4096)")
+	if n := f.NatsMaxCtlLine; n.failed() || n.Value < 256 || n.Value > 1<<24 {
+		bad("nats-max-control-line", n.Text, "not a size between 256 and 16777216 bytes", "use the server's max_control_line (nats-server's default: 4096)")
+	} else {
+		l.controlLine = int(n.Value)
 	}
-	maxBytes, err := parseBytes(f.MaxInFlightBytes)
-	if err != nil || maxBytes < 1024 {
-		bad("max-in-flight-bytes", f.MaxInFlightBytes, "not a size of at least 1KiB", "use e.g. 8MiB")
+	if b := f.MaxInFlightBytes; b.failed() || b.Value < 1024 {
+		bad("max-in-flight-bytes", b.Text, "not a size of at least 1KiB", "use e.g. 8MiB")
+	} else {
+		l.inFlightBytes = int(b.Value)
 	}
-	l.inFlightBytes = maxBytes
 	return l
 }
 
@@ -550,17 +551,17 @@ func (f *RunFlags) delivery(bad func(flag, value, problem, fix string)) sink.Del
 	if f.Delivery != "dedup" && f.Delivery != "exactly-once" {
 		bad("delivery", f.Delivery, "unknown delivery mode", "use dedup or exactly-once (see docs/guarantees.md)")
 	}
-	orderGuard, err := strconv.ParseBool(string(f.OrderGuard))
-	if err != nil {
-		bad("order-guard", string(f.OrderGuard), "not a boolean", "use true or false")
+	orderGuard := f.OrderGuard.Value && !f.OrderGuard.failed()
+	if f.OrderGuard.failed() {
+		bad("order-guard", f.OrderGuard.Text, "not a boolean", "use true or false")
 	} else if !orderGuard && f.Delivery == "exactly-once" {
-		bad("order-guard", string(f.OrderGuard), "conflicts with --delivery=exactly-once (the default), which always guards the order", "drop --order-guard=false, or add --delivery=dedup (for a stream shared with other publishers)")
+		bad("order-guard", f.OrderGuard.Text, "conflicts with --delivery=exactly-once (the default), which always guards the order", "drop --order-guard=false, or add --delivery=dedup (for a stream shared with other publishers)")
 	}
-	atomicTx, err := strconv.ParseBool(string(f.AtomicTx))
-	if err != nil {
-		bad("atomic-transactions", string(f.AtomicTx), "not a boolean", "use true or false")
+	atomicTx := f.AtomicTx.Value && !f.AtomicTx.failed()
+	if f.AtomicTx.failed() {
+		bad("atomic-transactions", f.AtomicTx.Text, "not a boolean", "use true or false")
 	} else if atomicTx && f.Delivery != "exactly-once" {
-		bad("atomic-transactions", string(f.AtomicTx), "needs --delivery=exactly-once: JetStream refuses a whole atomic batch that holds an id it already stored, so replays must be skipped by position, not deduplicated",
+		bad("atomic-transactions", f.AtomicTx.Text, "needs --delivery=exactly-once: JetStream refuses a whole atomic batch that holds an id it already stored, so replays must be skipped by position, not deduplicated",
 			"add --delivery=exactly-once (jetbox must then be the stream's only writer), or drop --atomic-transactions")
 	}
 	switch {
@@ -577,7 +578,7 @@ func (f *RunFlags) delivery(bad func(flag, value, problem, fix string)) sink.Del
 // streamSpec reads the --stream-* flags and --duplicate-window: what a
 // stream jetbox creates gets, and which settings were given (compared with
 // an existing stream). Empty, or auto where there is a choice, is the default.
-func (f *RunFlags) streamSpec(bad func(flag, value, problem, fix string), dur func(flag, v string, min, max time.Duration) time.Duration,
+func (f *RunFlags) streamSpec(bad func(flag, value, problem, fix string), dur func(flag string, v durationFlag, min, max time.Duration) time.Duration,
 	delivery sink.Delivery, publishTimeout, maxOutage time.Duration) (sink.StreamSpec, time.Duration) {
 	sp := sink.StreamSpec{Given: map[string]bool{}, MaxBytes: -1, MaxMsgs: -1}
 	given := func(key, v string) bool {
@@ -587,44 +588,38 @@ func (f *RunFlags) streamSpec(bad func(flag, value, problem, fix string), dur fu
 		sp.Given[key] = true
 		return true
 	}
-	if given("replicas", f.StreamReplicas) {
-		n, err := strconv.Atoi(f.StreamReplicas)
-		if err != nil || n < 1 || n > 5 {
-			bad("stream-replicas", f.StreamReplicas, "not a replica count between 1 and 5", "use auto (3 on a cluster, 1 on a single server), 1 or 3")
+	if n := f.StreamReplicas; given("replicas", n.Text) {
+		if n.failed() || n.Value < 1 || n.Value > 5 {
+			bad("stream-replicas", n.Text, "not a replica count between 1 and 5", "use auto (3 on a cluster, 1 on a single server), 1 or 3")
+		} else {
+			sp.Replicas = int(n.Value)
 		}
-		sp.Replicas = n
 	}
-	if given("max-age", f.StreamMaxAge) {
+	if given("max-age", f.StreamMaxAge.Text) {
 		sp.MaxAge = dur("stream-max-age", f.StreamMaxAge, 0, 0)
 		if sp.MaxAge > 0 && sp.MaxAge < time.Second {
-			bad("stream-max-age", f.StreamMaxAge, "shorter than 1s", "use 0 (no max age) or e.g. 168h")
+			bad("stream-max-age", f.StreamMaxAge.Text, "shorter than 1s", "use 0 (no max age) or e.g. 168h")
 		} else if sp.MaxAge > 0 && delivery.ExactlyOnce() && sp.MaxAge < maxOutage {
-			bad("stream-max-age", f.StreamMaxAge, fmt.Sprintf("shorter than --max-outage %s: exactly-once resumes from the stream's last message, which this max age expires during such an outage", maxOutage),
+			bad("stream-max-age", f.StreamMaxAge.Text, fmt.Sprintf("shorter than --max-outage %s: exactly-once resumes from the stream's last message, which this max age expires during such an outage", maxOutage),
 				"drop --stream-max-age (no max age), keep it far above --max-outage, or add --delivery=dedup")
 		}
 	}
-	count := func(flag, key, v string, size bool) int64 {
-		if !given(key, v) {
-			return -1
+	// limit: a limit is given, and is not -1 or 0 (none).
+	limit := func(key, v string) bool { return given(key, v) && v != "-1" && v != "0" }
+	if b := f.StreamMaxBytes; limit("max-bytes", b.Text) {
+		if b.failed() || b.Value < 1024 {
+			bad("stream-max-bytes", b.Text, "not a size of at least 1KiB", "use e.g. 50GiB, or -1 for no limit")
+		} else {
+			sp.MaxBytes = b.Value
 		}
-		if v == "-1" || v == "0" {
-			return -1
-		}
-		if size {
-			n, err := parseBytes(v)
-			if err != nil || n < 1024 {
-				bad(flag, v, "not a size of at least 1KiB", "use e.g. 50GiB, or -1 for no limit")
-			}
-			return int64(n)
-		}
-		n, err := strconv.ParseInt(v, 10, 64)
-		if err != nil || n < 1 {
-			bad(flag, v, "not a message count", "use e.g. 10000000, or -1 for no limit")
-		}
-		return n
 	}
-	sp.MaxBytes = count("stream-max-bytes", "max-bytes", f.StreamMaxBytes, true)
-	sp.MaxMsgs = count("stream-max-msgs", "max-msgs", f.StreamMaxMsgs, false)
+	if n := f.StreamMaxMsgs; limit("max-msgs", n.Text) {
+		if n.failed() || n.Value < 1 {
+			bad("stream-max-msgs", n.Text, "not a message count", "use e.g. 10000000, or -1 for no limit")
+		} else {
+			sp.MaxMsgs = n.Value
+		}
+	}
 	if given("storage", f.StreamStorage) {
 		switch f.StreamStorage {
 		case "file":
@@ -644,10 +639,10 @@ func (f *RunFlags) streamSpec(bad func(flag, value, problem, fix string), dur fu
 		}
 	}
 	var window time.Duration
-	if given("duplicate-window", f.DuplicateWindow) {
+	if given("duplicate-window", f.DuplicateWindow.Text) {
 		window = dur("duplicate-window", f.DuplicateWindow, time.Second, 0)
 		if sp.MaxAge > 0 && window > sp.MaxAge {
-			bad("duplicate-window", f.DuplicateWindow, fmt.Sprintf("longer than --stream-max-age %s (JetStream refuses it)", sp.MaxAge), "use a window no longer than the max age")
+			bad("duplicate-window", f.DuplicateWindow.Text, fmt.Sprintf("longer than --stream-max-age %s (JetStream refuses it)", sp.MaxAge), "use a window no longer than the max age")
 		}
 	} else {
 		window = sink.DuplicateWindowFor(delivery.ExactlyOnce(), publishTimeout, maxOutage)
@@ -660,25 +655,6 @@ func (f *RunFlags) streamSpec(bad func(flag, value, problem, fix string), dur fu
 
 func envName(flag string) string {
 	return "JETBOX_" + strings.ToUpper(strings.ReplaceAll(flag, "-", "_"))
-}
-
-// parseBytes reads sizes such as 1048576, 512KiB, 16MiB, 1GiB or 2TiB (up to 1 PiB).
-func parseBytes(s string) (int, error) {
-	mult := 1
-	for _, u := range []struct {
-		suffix string
-		mult   int
-	}{{"KiB", 1 << 10}, {"MiB", 1 << 20}, {"GiB", 1 << 30}, {"TiB", 1 << 40}, {"B", 1}} {
-		if strings.HasSuffix(s, u.suffix) {
-			s, mult = strings.TrimSuffix(s, u.suffix), u.mult
-			break
-		}
-	}
-	n, err := strconv.Atoi(strings.TrimSpace(s))
-	if err != nil || n < 0 || n > (1<<50)/mult {
-		return 0, fmt.Errorf("invalid size %q", s)
-	}
-	return n * mult, nil
 }
 
 var passwordInURL = regexp.MustCompile(`(://[^:/@]*:)[^@]*@`)

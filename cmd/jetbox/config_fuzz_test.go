@@ -31,6 +31,8 @@ func FuzzConfig(f *testing.F) {
 		"--postgres-url=postgres://u@h/db\n--source=table,messages\n--subject-template={prefix}.{aggregate_type}.{partition}.{event_type}\n--partitions=4",
 		"--postgres-url=postgres://u@h/db\n--source=messages,messages\n--message-prefix=jetbox-heartbeat\n--subject-template={aggregate_type}\n--partitions=x",
 		"JETBOX_POSTGRES_URL=postgres://u@h/db\nJETBOX_SOURCE=messages\nJETBOX_PARTITIONS=3",
+		"--postgres-url=postgres://u@h/db\n--publish-timeout=soon\n--max-in-flight=many\n--max-retained-wal=lots\nJETBOX_STREAM_MAX_BYTES=1",
+		"--postgres-url=postgres://u@h/db\n--max-in-flight\n512\n--stream-replicas=auto\n--stream-max-msgs=-1\n--accept-lost-rows",
 		"--help",
 	} {
 		f.Add(seed)

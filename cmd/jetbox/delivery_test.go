@@ -22,7 +22,9 @@ func TestDeliveryFlags(t *testing.T) {
 		var f RunFlags
 		parseDefaults(t, &f)
 		f.PostgresURL = "postgres://u@127.0.0.1/db"
-		f.Delivery, f.OrderGuard, f.AtomicTx = c.delivery, boolText(c.guard), boolText(c.atomic)
+		f.Delivery = c.delivery
+		f.OrderGuard.set(c.guard)
+		f.AtomicTx.set(c.atomic)
 		cfg, err := f.Config()
 		if err != nil {
 			t.Fatalf("%+v: %v", c, err)

@@ -423,7 +423,11 @@ func checkChart(t *testing.T, v chartVariant, docs []map[string]any, flagEnv map
 				val = "x"
 			}
 		}
-		rv.Field(i).SetString(val)
+		if typed, ok := rv.Field(i).Addr().Interface().(interface{ set(string) }); ok {
+			typed.set(val) // a typed flag (flagvalues.go) parses its text
+		} else {
+			rv.Field(i).SetString(val)
+		}
 	}
 	standIn := filepath.Join(t.TempDir(), "file")
 	must(t, os.WriteFile(standIn, []byte("x"), 0o600))

@@ -22,11 +22,11 @@ import (
 // outbox table still holds (see "Repair and backfill" in docs/operations.md).
 type repairCmd struct {
 	RunFlags
-	Since    string `name:"since" env:"JETBOX_REPAIR_SINCE" help:"Repair rows from this RFC 3339 time on (commit timestamp with track_commit_timestamp on, else the created-at column). Default: from the stream's last event's commit time minus --margin, or every row when the stream is empty." placeholder:"TIME"`
-	All      bool   `name:"all" env:"JETBOX_REPAIR_ALL" help:"Repair every row of the table (reads every id of the stream)."`
-	Margin   string `name:"margin" env:"JETBOX_REPAIR_MARGIN" default:"10m" help:"Overlap read before the start time: longest transaction plus clock skew between Postgres and NATS."`
-	DryRun   bool   `name:"dry-run" help:"Print what is missing from the stream (count, first and last ids and times); publish, create and drop nothing."`
-	Progress string `name:"progress-interval" env:"JETBOX_REPAIR_PROGRESS_INTERVAL" default:"5s" help:"How often to print progress on stderr."`
+	Since    string       `name:"since" env:"JETBOX_REPAIR_SINCE" help:"Repair rows from this RFC 3339 time on (commit timestamp with track_commit_timestamp on, else the created-at column). Default: from the stream's last event's commit time minus --margin, or every row when the stream is empty." placeholder:"TIME"`
+	All      bool         `name:"all" env:"JETBOX_REPAIR_ALL" help:"Repair every row of the table (reads every id of the stream)."`
+	Margin   durationFlag `name:"margin" env:"JETBOX_REPAIR_MARGIN" default:"10m" help:"Overlap read before the start time: longest transaction plus clock skew between Postgres and NATS."`
+	DryRun   bool         `name:"dry-run" help:"Print what is missing from the stream (count, first and last ids and times); publish, create and drop nothing."`
+	Progress durationFlag `name:"progress-interval" env:"JETBOX_REPAIR_PROGRESS_INTERVAL" default:"5s" help:"How often to print progress on stderr."`
 }
 
 // repairState is one repair's counters, read by the progress printer.
@@ -59,11 +59,11 @@ func (c *repairCmd) run(ctx context.Context, stdout, stderr io.Writer) int {
 		errs = append(errs, &ConfigError{Flag: "source", Env: "JETBOX_SOURCE", Value: c.Source, Problem: "repair re-publishes rows of the outbox table, and --source=messages has none (a message that the slot lost is gone from Postgres)",
 			Hint: "producers must re-emit the lost events (same ids: the stream dedups those it has); see docs/routing.md"})
 	}
-	if margin, err = time.ParseDuration(c.Margin); err != nil || margin < 0 {
-		errs = append(errs, &ConfigError{Flag: "margin", Env: "JETBOX_REPAIR_MARGIN", Value: c.Margin, Problem: "not a duration ≥ 0", Hint: "use e.g. 10m"})
+	if margin = c.Margin.Value; c.Margin.failed() || margin < 0 {
+		errs = append(errs, &ConfigError{Flag: "margin", Env: "JETBOX_REPAIR_MARGIN", Value: c.Margin.Text, Problem: "not a duration ≥ 0", Hint: "use e.g. 10m"})
 	}
-	if progress, err = time.ParseDuration(c.Progress); err != nil || progress <= 0 {
-		errs = append(errs, &ConfigError{Flag: "progress-interval", Env: "JETBOX_REPAIR_PROGRESS_INTERVAL", Value: c.Progress, Problem: "not a positive duration", Hint: "use e.g. 5s"})
+	if progress = c.Progress.Value; c.Progress.failed() || progress <= 0 {
+		errs = append(errs, &ConfigError{Flag: "progress-interval", Env: "JETBOX_REPAIR_PROGRESS_INTERVAL", Value: c.Progress.Text, Problem: "not a positive duration", Hint: "use e.g. 5s"})
 	}
 	if len(errs) > 0 {
 		printProblems(stderr, "configuration", errors.Join(errs...))

@@ -18,7 +18,8 @@ func TestRoutingConfig(t *testing.T) {
 	f := RunFlags{}
 	parseDefaults(t, &f)
 	f.PostgresURL = "postgres://u@127.0.0.1/db"
-	f.Source, f.SubjectTemplate, f.Partitions = "table, messages", "{prefix}.{aggregate_type}.p{partition}.{event_type}", "8"
+	f.Source, f.SubjectTemplate = "table, messages", "{prefix}.{aggregate_type}.p{partition}.{event_type}"
+	f.Partitions.set("8")
 	cfg, err := f.Config()
 	if err != nil {
 		t.Fatal(err)
@@ -27,7 +28,8 @@ func TestRoutingConfig(t *testing.T) {
 	if d.Table != "outbox" || d.MessagePrefix != "jetbox" || d.Subjects == nil || d.Subjects.Partitions() != 8 || cfg.Sink.SubjectFilter != "outbox.*.*.*" || cfg.Sink.IndexScheme != "table,messages:jetbox" {
 		t.Fatalf("decoder %+v, sink filter %q, index scheme %q", d, cfg.Sink.SubjectFilter, cfg.Sink.IndexScheme)
 	}
-	f.Source, f.SubjectTemplate, f.Partitions = "messages", decoder.DefaultSubjectTemplate, "0"
+	f.Source, f.SubjectTemplate = "messages", decoder.DefaultSubjectTemplate
+	f.Partitions.set("0")
 	if cfg, err = f.Config(); err != nil {
 		t.Fatal(err)
 	}

@@ -18,7 +18,11 @@ func TestStreamFlags(t *testing.T) {
 	f := RunFlags{}
 	parseDefaults(t, &f)
 	f.PostgresURL = "postgres://u@127.0.0.1/db"
-	f.StreamReplicas, f.StreamMaxAge, f.StreamMaxBytes, f.StreamMaxMsgs, f.StreamStorage, f.StreamDiscard = "3", "168h", "50GiB", "-1", "file", "new"
+	f.StreamReplicas.set("3")
+	f.StreamMaxAge.set("168h")
+	f.StreamMaxBytes.set("50GiB")
+	f.StreamMaxMsgs.set("-1")
+	f.StreamStorage, f.StreamDiscard = "file", "new"
 	cfg, err := f.Config()
 	if err != nil {
 		t.Fatal(err)
@@ -35,11 +39,13 @@ func TestStreamFlags(t *testing.T) {
 	if sp.Given["duplicate-window"] || cfg.Sink.DuplicateWindow != time.Minute {
 		t.Errorf("exactly-once, no --duplicate-window: window %s (given %v), want 1m (2 x --publish-timeout)", cfg.Sink.DuplicateWindow, sp.Given["duplicate-window"])
 	}
-	f.Delivery, f.StreamMaxAge = "dedup", ""
+	f.Delivery, f.StreamMaxAge = "dedup", durationFlag{} // not given
 	if cfg, err = f.Config(); err != nil || cfg.Sink.DuplicateWindow != 10*time.Minute {
 		t.Errorf("dedup, no --duplicate-window: window %s, %v; want --max-outage, 10m", cfg.Sink.DuplicateWindow, err)
 	}
-	f.Delivery, f.StreamReplicas, f.DuplicateWindow = "exactly-once", "auto", "auto"
+	f.Delivery = "exactly-once"
+	f.StreamReplicas.set("auto")
+	f.DuplicateWindow.set("auto")
 	if cfg, err = f.Config(); err != nil || cfg.Sink.StreamSpec.Replicas != 0 || cfg.Sink.StreamSpec.Given["replicas"] || cfg.Sink.StreamSpec.Given["duplicate-window"] {
 		t.Errorf("auto: %+v, %v", cfg.Sink.StreamSpec, err)
 	}
