@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -257,11 +258,26 @@ func TestAuditRate(t *testing.T) {
 	}
 	// Margin 0s: the range ends at the last message's commit time minus
 	// the margin, and the test's transactions are instant.
-	r := f.auditFor(bound, append([]string{"JETBOX_AUDIT_MARGIN=0s"}, strings.Fields(os.Getenv("JETBOX_AUDIT_EXTRA"))...)...)
-	if r.code != 0 || !strings.Contains(r.stdout, fmt.Sprintf("rows:           %d\n", n)) {
-		t.Fatalf("jetbox audit exited with %d, want 0 with %d rows:\n%s\n%s", r.code, n, r.stdout, r.stderr)
+	env := append([]string{"JETBOX_AUDIT_MARGIN=0s"}, strings.Fields(os.Getenv("JETBOX_AUDIT_EXTRA"))...)
+	// JETBOX_AUDIT_BASELINE_BIN: other jetbox builds, comma-separated,
+	// audited beside this one on the same stream and table, interleaved,
+	// JETBOX_AUDIT_REPS times (default 1).
+	bins := []string{jetboxBin}
+	if v := os.Getenv("JETBOX_AUDIT_BASELINE_BIN"); v != "" {
+		bins = append(bins, strings.Split(v, ",")...)
 	}
-	t.Logf("audit of %d rows: %s, %.0f rows/s, peak RSS %.1f MiB, CPU %.2f µs/row", n, r.elapsed.Round(time.Millisecond), float64(n)/r.elapsed.Seconds(), float64(r.maxRSS)/(1<<20), float64(r.cpu.Microseconds())/float64(n))
+	defer func(bin string) { jetboxBin = bin }(jetboxBin)
+	for rep := 0; rep < envInt("JETBOX_AUDIT_REPS", 1); rep++ {
+		for _, bin := range bins {
+			jetboxBin = bin
+			r := f.auditFor(bound, env...)
+			if r.code != 0 || !strings.Contains(r.stdout, fmt.Sprintf("rows:           %d\n", n)) {
+				t.Fatalf("%s audit exited with %d, want 0 with %d rows:\n%s\n%s", bin, r.code, n, r.stdout, r.stderr)
+			}
+			t.Logf("%s: audit of %d rows: %s, %.0f rows/s, peak RSS %.1f MiB, CPU %.2f µs/row", filepath.Base(bin), n, r.elapsed.Round(time.Millisecond),
+				float64(n)/r.elapsed.Seconds(), float64(r.maxRSS)/(1<<20), float64(r.cpu.Microseconds())/float64(n))
+		}
+	}
 }
 
 // seqOf returns the stream sequence of the message with id.
