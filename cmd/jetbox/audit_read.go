@@ -225,6 +225,7 @@ type batchReader struct {
 	lastSeq uint64 // the stream's last sequence at the audit's start
 	batch   []streamMsg
 	batches chan []streamMsg
+	broken  bool // a message could not be read: the read ends (errs)
 	errs    chan error
 	done    chan struct{} // closed when the audit stops reading
 }
@@ -239,9 +240,13 @@ func newBatchReader(lastSeq uint64) *batchReader {
 
 // handle is the consumer's message handler, called in stream order.
 func (r *batchReader) handle(m jetstream.Msg) {
+	if r.broken {
+		return // no message after one that could not be read
+	}
 	md, err := m.Metadata()
 	if err != nil {
-		r.fail(err)
+		r.broken = true
+		r.fail(fmt.Errorf("read a message's metadata: %w", err))
 		return
 	}
 	msg, o, ok := auditMsg(m.Headers(), md.Sequence.Stream, md.Timestamp)
