@@ -8,6 +8,7 @@ import (
 	"io"
 	"os"
 	"runtime/debug"
+	"runtime/metrics"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -109,25 +110,55 @@ func (c *auditCmd) settings(now time.Time) (auditSettings, error) {
 }
 
 // auditMemoryLimit is jetbox audit's soft memory limit (GOMEMLIMIT and GOGC
-// override it). The audit's live heap is bounded (one margin of the order
-// key, a page of rows, a pull of headers) and far below it, and every
-// message's headers are garbage at once: collecting only near the limit
-// rather than at each doubling of the heap takes a quarter of the audit's
-// CPU off (docs/operations.md, the audit's table).
+// override it). Every message's headers are garbage at once, and what the
+// audit keeps (one margin of the order key, a page of rows, a pull of
+// headers) is mostly far smaller: collecting only near the limit rather
+// than at each doubling of the heap takes a quarter of the audit's CPU off
+// (docs/operations.md, the audit's table).
 const auditMemoryLimit = 80 << 20
 
-// auditMemory sets the audit's GC: off but for the soft limit, unless GOGC
-// or GOMEMLIMIT is set.
-func auditMemory() {
+// auditMemory sets the audit's GC, unless GOGC or GOMEMLIMIT is set: off
+// but for the soft limit, until the live heap passes half of it (a long
+// margin at a high row rate, many missing rows), when the default GC
+// returns so that it does not run back to back at the limit. It returns
+// the function that restores the settings before it.
+func auditMemory() (restore func()) {
 	if os.Getenv("GOGC") != "" || os.Getenv("GOMEMLIMIT") != "" {
-		return
+		return func() {}
 	}
-	debug.SetGCPercent(-1)
-	debug.SetMemoryLimit(auditMemoryLimit)
+	gcPercent := debug.SetGCPercent(-1)
+	limit := debug.SetMemoryLimit(auditMemoryLimit)
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		sample := []metrics.Sample{{Name: "/gc/heap/live:bytes"}}
+		tick := time.NewTicker(500 * time.Millisecond)
+		defer tick.Stop()
+		for {
+			select {
+			case <-stop:
+				return
+			case <-tick.C:
+			}
+			metrics.Read(sample)
+			if sample[0].Value.Kind() == metrics.KindUint64 && sample[0].Value.Uint64() > auditMemoryLimit/2 {
+				debug.SetGCPercent(gcPercent)
+				debug.SetMemoryLimit(limit)
+				return
+			}
+		}
+	}()
+	return func() {
+		close(stop)
+		<-done
+		debug.SetGCPercent(gcPercent)
+		debug.SetMemoryLimit(limit)
+	}
 }
 
 func (c *auditCmd) run(ctx context.Context, stdout, stderr io.Writer) int {
-	auditMemory()
+	defer auditMemory()()
 	s, err := c.settings(time.Now())
 	if err != nil {
 		printProblems(stderr, "configuration", err)

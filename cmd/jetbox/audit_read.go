@@ -167,27 +167,34 @@ func (a *auditor) readStream(ctx context.Context, st jetstream.Stream, sr stream
 	if ci := cons.CachedInfo(); ci != nil && ci.NumPending == 0 {
 		return nil // no message stored at or after the start
 	}
-	r := newBatchReader(sr.last)
-	cc, err := cons.Consume(r.handle, jetstream.PullMaxMessages(16384), jetstream.ConsumeErrHandler(r.consumeError))
+	it, err := cons.Messages(jetstream.PullMaxMessages(16384))
 	if err != nil {
 		return fmt.Errorf("read stream %q: %w", a.s.cfg.Sink.Stream, err)
 	}
-	defer cc.Stop()
-	defer close(r.done) // before Stop: a handler blocked on a send returns
 	end := a.s.until.Add(a.s.margin)
+	// decides: the message that may end the audit (below).
+	decides := func(m streamMsg) bool {
+		return m.msg.Time.After(end) && !m.msg.Repaired && a.ours(m.origin, m.hasOrigin)
+	}
+	rctx, cancel := context.WithCancel(ctx)
+	batches := make(chan streamBatch, 4)
+	read := make(chan struct{})
+	go func() {
+		defer close(read)
+		readBatches(rctx, it, sr.last, decides, batches)
+	}()
+	defer func() { cancel(); it.Stop(); <-read }()
 	passed := false // the stream passed the range: reading on for late copies
 	for {
-		var batch []streamMsg
+		var b streamBatch
 		select {
-		case batch = <-r.batches:
-		case err := <-r.errs:
-			return fmt.Errorf("read stream %q (%d messages read): %w", a.s.cfg.Sink.Stream, a.msgs.Load(), err)
+		case b = <-batches:
 		case <-ctx.Done():
 			return fmt.Errorf("read stream %q (%d messages read): %w", a.s.cfg.Sink.Stream, a.msgs.Load(), ctx.Err())
 		}
-		for _, m := range batch {
+		for _, m := range b.msgs {
 			a.msgs.Add(1)
-			if !passed && m.msg.Time.After(end) && !m.msg.Repaired && a.ours(m.origin, m.hasOrigin) {
+			if !passed && decides(m) {
 				// This writer publishes in commit order: none of its later
 				// messages is of the range. Rows still unmatched may have
 				// been stored later (jetbox repair, another publisher).
@@ -206,6 +213,9 @@ func (a *auditor) readStream(ctx context.Context, st jetstream.Stream, sr stream
 				return nil
 			}
 		}
+		if b.err != nil {
+			return fmt.Errorf("read stream %q (%d messages read): %w", a.s.cfg.Sink.Stream, a.msgs.Load(), b.err)
+		}
 	}
 }
 
@@ -217,69 +227,62 @@ type streamMsg struct {
 	last      bool // the stream's last message at the audit's start, or the last stored now
 }
 
-// batchReader turns the ordered consumer's callbacks into batches for the
-// audit's goroutine: the headers are parsed and mapped in the consumer's
-// delivery goroutine while the audit compares the batch before, and a
-// batch costs one channel hand-off rather than one per message.
-type batchReader struct {
-	lastSeq uint64 // the stream's last sequence at the audit's start
-	batch   []streamMsg
-	batches chan []streamMsg
-	broken  bool // a message could not be read: the read ends (errs)
-	errs    chan error
-	done    chan struct{} // closed when the audit stops reading
+// streamBatch is messages in stream order, then err if the read ended on one.
+type streamBatch struct {
+	msgs []streamMsg
+	err  error
 }
 
-// batchSize: messages handed over at once; a batch is handed over early
-// when the consumer has delivered all the stream holds.
+// batchSize: messages handed to the comparison at once.
 const batchSize = 512
 
-func newBatchReader(lastSeq uint64) *batchReader {
-	return &batchReader{lastSeq: lastSeq, batch: make([]streamMsg, 0, batchSize), batches: make(chan []streamMsg, 4), errs: make(chan error, 1), done: make(chan struct{})}
-}
-
-// handle is the consumer's message handler, called in stream order.
-func (r *batchReader) handle(m jetstream.Msg) {
-	if r.broken {
-		return // no message after one that could not be read
+// readBatches reads it (the ordered consumer's iterator, which recreates
+// the consumer after a missed heartbeat, a reconnect or a gap, from the
+// last message it returned) in one goroutine, maps each message's headers
+// and hands them on in batches, so that the comparison runs beside the
+// reading and a batch costs one hand-off rather than one per message. A
+// batch is handed on early at the first message that decides (the one
+// that may end the audit, which must not wait for messages that may never
+// come) and at the last; the read ends there, on an error (sent after the
+// messages before it) or when ctx ends.
+func readBatches(ctx context.Context, it jetstream.MessagesContext, lastSeq uint64, decides func(streamMsg) bool, out chan<- streamBatch) {
+	batch := make([]streamMsg, 0, batchSize)
+	send := func(b streamBatch) bool {
+		select {
+		case out <- b:
+			return true
+		case <-ctx.Done():
+			return false
+		}
 	}
-	md, err := m.Metadata()
-	if err != nil {
-		r.broken = true
-		r.fail(fmt.Errorf("read a message's metadata: %w", err))
-		return
-	}
-	msg, o, ok := auditMsg(m.Headers(), md.Sequence.Stream, md.Timestamp)
-	last := md.Sequence.Stream >= r.lastSeq || md.NumPending == 0
-	r.batch = append(r.batch, streamMsg{msg: msg, origin: o, hasOrigin: ok, last: last})
-	if len(r.batch) < batchSize && !last {
-		return
-	}
-	select {
-	case r.batches <- r.batch:
-		r.batch = make([]streamMsg, 0, batchSize)
-	case <-r.done:
-	}
-}
-
-// consumeError ends the read on any error but those the ordered consumer
-// recovers from by recreating itself from the last message delivered (a
-// missed heartbeat, a deleted consumer, no responders, a leader change):
-// an error it stops on (a closed connection, a bad request) would leave
-// the audit waiting for messages that never come.
-func (r *batchReader) consumeError(_ jetstream.ConsumeContext, err error) {
-	switch {
-	case errors.Is(err, jetstream.ErrNoHeartbeat), errors.Is(err, jetstream.ErrConsumerDeleted),
-		errors.Is(err, nats.ErrNoResponders), errors.Is(err, jetstream.ErrConsumerLeadershipChanged):
-	default:
-		r.fail(err)
-	}
-}
-
-func (r *batchReader) fail(err error) {
-	select {
-	case r.errs <- err:
-	default:
+	decided := false
+	for {
+		m, err := it.Next(jetstream.NextContext(ctx))
+		if err != nil {
+			send(streamBatch{batch, err})
+			return
+		}
+		md, err := m.Metadata()
+		if err != nil {
+			send(streamBatch{batch, fmt.Errorf("read a message's metadata: %w", err)})
+			return
+		}
+		msg, o, ok := auditMsg(m.Headers(), md.Sequence.Stream, md.Timestamp)
+		last := md.Sequence.Stream >= lastSeq || md.NumPending == 0
+		sm := streamMsg{msg: msg, origin: o, hasOrigin: ok, last: last}
+		batch = append(batch, sm)
+		first := !decided && decides(sm)
+		decided = decided || first
+		if last {
+			send(streamBatch{msgs: batch})
+			return
+		}
+		if len(batch) == batchSize || first {
+			if !send(streamBatch{msgs: batch}) {
+				return
+			}
+			batch = make([]streamMsg, 0, batchSize)
+		}
 	}
 }
 

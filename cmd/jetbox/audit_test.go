@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime/debug"
 	"slices"
 	"strings"
 	"testing"
@@ -481,33 +482,125 @@ func TestCheckOrderIndex(t *testing.T) {
 	}
 }
 
-// TestAuditReadErrors: the stream read ends on an error the ordered
-// consumer does not recover from, and goes on through those it recovers
-// from by recreating itself.
-func TestAuditReadErrors(t *testing.T) {
-	for _, c := range []struct {
-		err   error
-		fatal bool
-	}{
-		{jetstream.ErrNoHeartbeat, false},
-		{jetstream.ErrConsumerDeleted, false},
-		{jetstream.ErrConsumerLeadershipChanged, false},
-		{nats.ErrNoResponders, false},
-		{jetstream.ErrConnectionClosed, true},
-		{jetstream.ErrBadRequest, true},
-		{jetstream.ErrStreamNotFound, true},
-	} {
-		r := newBatchReader(10)
-		r.consumeError(nil, c.err)
-		select {
-		case err := <-r.errs:
-			if !c.fatal {
-				t.Errorf("%v ended the read (%v)", c.err, err)
-			}
-		default:
-			if c.fatal {
-				t.Errorf("%v did not end the read", c.err)
+// fakeMessages is a MessagesContext over msgs: then err, or (err nil) it
+// blocks until the context ends, as a consumer with nothing more to
+// deliver does.
+type fakeMessages struct {
+	jetstream.MessagesContext
+	msgs []jetstream.Msg
+	err  error
+	stop chan struct{} // closed by Stop
+}
+
+func (f *fakeMessages) Stop() { close(f.stop) }
+
+func (f *fakeMessages) Next(opts ...jetstream.NextOpt) (jetstream.Msg, error) {
+	if len(f.msgs) > 0 {
+		m := f.msgs[0]
+		f.msgs = f.msgs[1:]
+		return m, nil
+	}
+	if f.err != nil {
+		return nil, f.err
+	}
+	<-f.stop
+	return nil, jetstream.ErrMsgIteratorClosed
+}
+
+type fakeMsg struct {
+	jetstream.Msg
+	seq, pending uint64
+	h            nats.Header
+}
+
+func (m fakeMsg) Metadata() (*jetstream.MsgMetadata, error) {
+	return &jetstream.MsgMetadata{Sequence: jetstream.SequencePair{Stream: m.seq}, NumPending: m.pending, Timestamp: time.Now()}, nil
+}
+func (m fakeMsg) Headers() nats.Header { return m.h }
+
+// TestAuditReadBatches: the stream's reader hands on every message in
+// order, then the error it ended on; it hands on the message that may end
+// the audit at once, without waiting for a full batch that may never come;
+// and it stops at the last message.
+func TestAuditReadBatches(t *testing.T) {
+	msgs := func(n int, pending func(i int) uint64) []jetstream.Msg {
+		var out []jetstream.Msg
+		for i := 1; i <= n; i++ {
+			out = append(out, fakeMsg{seq: uint64(i), pending: pending(i), h: nats.Header{"Nats-Msg-Id": {fmt.Sprint(i)}}})
+		}
+		return out
+	}
+	read := func(it *fakeMessages, lastSeq uint64, decides func(streamMsg) bool) []streamBatch {
+		it.stop = make(chan struct{})
+		ctx, cancel := context.WithCancel(context.Background())
+		out := make(chan streamBatch)
+		done := make(chan struct{})
+		go func() { defer close(done); readBatches(ctx, it, lastSeq, decides, out) }()
+		var got []streamBatch
+		for {
+			select {
+			case b := <-out:
+				got = append(got, b)
+				if b.err != nil || (len(b.msgs) > 0 && (b.msgs[len(b.msgs)-1].last || decides(b.msgs[len(b.msgs)-1]))) {
+					cancel()
+					it.Stop()
+					<-done
+					return got
+				}
+			case <-time.After(10 * time.Second):
+				cancel()
+				t.Fatalf("no batch within 10s after %d batches", len(got))
 			}
 		}
+	}
+	never := func(streamMsg) bool { return false }
+	ids := func(bs []streamBatch) (ids []string) {
+		for _, b := range bs {
+			for _, m := range b.msgs {
+				ids = append(ids, m.msg.ID)
+			}
+		}
+		return ids
+	}
+	// An error after 600 messages: a full batch, then 88 with the error.
+	boom := errors.New("boom")
+	bs := read(&fakeMessages{msgs: msgs(600, func(int) uint64 { return 1 }), err: boom}, 1000, never)
+	if got := ids(bs); len(got) != 600 || got[0] != "1" || got[599] != "600" || !errors.Is(bs[len(bs)-1].err, boom) {
+		t.Errorf("an error after 600 messages: %d messages, last batch error %v", len(got), bs[len(bs)-1].err)
+	}
+	// The 10th message decides, and the consumer then delivers nothing more.
+	bs = read(&fakeMessages{msgs: msgs(10, func(int) uint64 { return 1 })}, 1000, func(m streamMsg) bool { return m.msg.ID == "10" })
+	if got := ids(bs); len(got) != 10 {
+		t.Errorf("the deciding message: %d messages handed on, want 10", len(got))
+	}
+	// The last message (no more pending) ends the read.
+	bs = read(&fakeMessages{msgs: msgs(700, func(i int) uint64 { return uint64(700 - i) })}, 1000, never)
+	if got := ids(bs); len(got) != 700 || !bs[len(bs)-1].msgs[len(bs[len(bs)-1].msgs)-1].last {
+		t.Errorf("the last message: %d messages handed on", len(got))
+	}
+}
+
+// TestAuditMemoryRestored: jetbox audit's GC setting (off but for the soft
+// limit) is undone when the audit returns, so an audit run in a process
+// that goes on (the tests) leaves its GC as it was.
+func TestAuditMemoryRestored(t *testing.T) {
+	if os.Getenv("GOGC") != "" || os.Getenv("GOMEMLIMIT") != "" {
+		t.Skip("GOGC or GOMEMLIMIT set: the audit leaves the GC alone")
+	}
+	before, limit := debug.SetGCPercent(100), debug.SetMemoryLimit(-1)
+	defer debug.SetGCPercent(before)
+	restore := auditMemory()
+	if got := debug.SetGCPercent(-1); got != -1 {
+		t.Errorf("during the audit GOGC is %d, want off (-1)", got)
+	}
+	if got := debug.SetMemoryLimit(-1); got != auditMemoryLimit {
+		t.Errorf("during the audit the memory limit is %d, want %d", got, auditMemoryLimit)
+	}
+	restore()
+	if got := debug.SetGCPercent(before); got != 100 {
+		t.Errorf("after the audit GOGC is %d, want 100", got)
+	}
+	if got := debug.SetMemoryLimit(-1); got != limit {
+		t.Errorf("after the audit the memory limit is %d, want %d", got, limit)
 	}
 }

@@ -29,7 +29,7 @@ type opsServer struct {
 	slots    atomic.Pointer[slotWatch]      // the standbys' copies of the slot (--standby-urls)
 
 	scrapeMu sync.Mutex
-	scraped  chan struct{} // closed by the next /metrics response (nextScrape)
+	scraped  chan struct{} // closed by the next /metrics response (countThenArm)
 }
 
 // readiness is the /readyz body.
@@ -57,7 +57,7 @@ func startOps(addr string, m *metrics.Metrics, log zerolog.Logger) (*opsServer, 
 	metricsHandler := promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{})
 	o.scraped = make(chan struct{})
 	mux.HandleFunc("GET /metrics", func(w http.ResponseWriter, r *http.Request) {
-		o.scrapeMu.Lock() // a scrape begun before nextScrape may not count
+		o.scrapeMu.Lock() // a scrape begun before countThenArm may not count
 		done := o.scraped
 		metricsHandler.ServeHTTP(w, r)
 		o.scrapeMu.Unlock()
@@ -149,22 +149,25 @@ func (o *opsServer) natsConnected() bool {
 	return p != nil && p.Connected()
 }
 
-// nextScrape arms a wait for the next /metrics response begun after the
-// call, which therefore holds every count made after it. jetbox stopping on
-// an invalid row arms it before it counts the row, then waits (awaitScrape),
-// else its last counts would leave with the process, never scraped. A
-// scrape between the count and the wait counts too. Nil without a server.
-func (o *opsServer) nextScrape() <-chan struct{} {
+// countThenArm runs count (the stop's last counts) and arms a wait for the
+// next /metrics response, with no scrape in between: a response begun
+// before holds neither, one begun after holds the counts and ends the wait
+// (awaitScrape). jetbox stopping on an invalid row waits so, else its last
+// counts would leave with the process, never scraped. Without a server it
+// only counts, and returns nil.
+func (o *opsServer) countThenArm(count func()) <-chan struct{} {
 	if o == nil {
+		count()
 		return nil
 	}
 	o.scrapeMu.Lock()
 	defer o.scrapeMu.Unlock()
+	count()
 	o.scraped = make(chan struct{})
 	return o.scraped
 }
 
-// awaitScrape returns true once next (from nextScrape) is closed, false after
+// awaitScrape returns true once next (from countThenArm) is closed, false after
 // wait or when ctx ends.
 func awaitScrape(ctx context.Context, next <-chan struct{}, wait time.Duration) bool {
 	if next == nil || wait <= 0 {

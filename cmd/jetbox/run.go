@@ -530,12 +530,16 @@ func runExit(ctx context.Context, err error, cfg Config, pub *sink.Publisher, st
 		ev = log.Error().Err(err)
 		var ie *decoder.InvalidEventError
 		if errors.As(err, &ie) {
-			finalScrape = ops.nextScrape() // armed before the count: a scrape that has it counts
 			if ie.DeadLetterable() {
 				next = "the slot stays before this row, so nothing after it is lost: fix the cause and restart, " + deadLetterNext(cfg, ie.Code, "restart")
 			}
 			ev = ev.Str("event_id", ie.ID).Str("lsn", ie.LSN.String()).Str("reason", ie.Code).Str("hint", ie.Hint).Str("next", next)
-			cfg.Metrics.InvalidRows.WithLabelValues(ie.Code, "stop").Inc()
+			count := func() { cfg.Metrics.InvalidRows.WithLabelValues(ie.Code, "stop").Inc() }
+			if cfg.FinalScrapeWait > 0 {
+				finalScrape = ops.countThenArm(count) // a scrape that has the count ends the wait
+			} else {
+				count()
+			}
 		}
 	}
 	ev.Str("confirmed_lsn", streamer.ConfirmedLSN().String()).Uint64("published", st.Published).

@@ -159,13 +159,17 @@ func TestFinalScrapeCountsAScrapeBeforeTheWait(t *testing.T) {
 		resp.Body.Close()
 	}
 	scrape() // before the stop: does not count
-	next := ops.nextScrape()
+	counted := false
+	next := ops.countThenArm(func() { counted = true })
+	if !counted {
+		t.Fatal("countThenArm did not count")
+	}
 	if awaitScrape(context.Background(), next, time.Millisecond) {
-		t.Fatal("a scrape before nextScrape counted")
+		t.Fatal("a scrape before countThenArm counted")
 	}
 	scrape()
 	if !awaitScrape(context.Background(), next, 10*time.Second) {
-		t.Fatal("the scrape between nextScrape and awaitScrape did not count")
+		t.Fatal("the scrape between countThenArm and awaitScrape did not count")
 	}
 	if awaitScrape(context.Background(), nil, time.Second) {
 		t.Fatal("no ops server: awaitScrape returned true")
