@@ -48,7 +48,7 @@ func (b *bench) runScale(ctx context.Context, rep *Report) {
 		name := fmt.Sprintf("jetbox, %s rows in transactions of %s, %s-byte payloads", groupDigits(float64(rows)), groupDigits(float64(txRows)), groupDigits(float64(payload)))
 		opts := catchupOpts{payload: payload}
 		if kind == scaleRows {
-			opts.recvSlot = "recv"
+			opts.recvSlot = d.slot + "_recv" // slots are the server's, not the database's: one per point
 		}
 		var endLSN string
 		run.Jetbox, endLSN = b.jetboxCatchup(ctx, name, d, rows, txRows, opts)
