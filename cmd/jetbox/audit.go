@@ -328,6 +328,7 @@ func (a *auditor) clampUntil(ctx context.Context, st jetstream.Stream, sr stream
 // published returns the commit time of this writer's last message (not a
 // repair's) at the audit's start, looking back over at most 1000 others.
 func (a *auditor) published(ctx context.Context, st jetstream.Stream, sr streamRange) (time.Time, bool, error) {
+	var origins originCache
 	for seq, n := sr.last, 0; seq >= sr.first && seq > 0 && n < 1000; seq, n = seq-1, n+1 {
 		m, err := st.GetMsg(ctx, seq)
 		if errors.Is(err, jetstream.ErrMsgNotFound) {
@@ -336,7 +337,7 @@ func (a *auditor) published(ctx context.Context, st jetstream.Stream, sr streamR
 		if err != nil {
 			return time.Time{}, false, fmt.Errorf("read stream %q at seq %d: %w", a.s.cfg.Sink.Stream, seq, err)
 		}
-		msg, o, ok := auditMsg(m.Header, seq, m.Time)
+		msg, o, ok := auditMsg(m.Header, seq, m.Time, &origins)
 		if a.ours(o, ok) && !msg.Repaired {
 			return msg.Time, true, nil
 		}

@@ -256,6 +256,7 @@ func readBatches(ctx context.Context, it jetstream.MessagesContext, lastSeq uint
 		}
 	}
 	decided := false
+	var origins originCache
 	for {
 		m, err := it.Next(jetstream.NextContext(ctx))
 		if err != nil {
@@ -267,7 +268,7 @@ func readBatches(ctx context.Context, it jetstream.MessagesContext, lastSeq uint
 			send(streamBatch{batch, fmt.Errorf("read a message's metadata: %w", err)})
 			return
 		}
-		msg, o, ok := auditMsg(m.Headers(), md.Sequence.Stream, md.Timestamp)
+		msg, o, ok := auditMsg(m.Headers(), md.Sequence.Stream, md.Timestamp, &origins)
 		last := md.Sequence.Stream >= lastSeq || md.NumPending == 0
 		sm := streamMsg{msg: msg, origin: o, hasOrigin: ok, last: last}
 		batch = append(batch, sm)
@@ -286,9 +287,26 @@ func readBatches(ctx context.Context, it jetstream.MessagesContext, lastSeq uint
 	}
 }
 
+// originCache parses Jetbox-Source values, keeping the last one parsed: a
+// writer's messages all carry the same value, so most parse nothing, and
+// they share one string.
+type originCache struct {
+	src string
+	o   format.Origin
+	ok  bool
+}
+
+func (c *originCache) parse(src string) (string, format.Origin, bool) {
+	if src != c.src {
+		c.src = src
+		c.o, c.ok = format.ParseOrigin(src)
+	}
+	return c.src, c.o, c.ok
+}
+
 // auditMsg maps a message's headers to what the audit compares, and its
 // origin (ok false for a message jetbox did not write).
-func auditMsg(h nats.Header, seq uint64, stored time.Time) (m audit.Msg, o format.Origin, ok bool) {
+func auditMsg(h nats.Header, seq uint64, stored time.Time, origins *originCache) (m audit.Msg, o format.Origin, ok bool) {
 	get := h.Get
 	m = audit.Msg{Seq: seq, ID: get(jetstream.MsgIDHeader), RowID: get(format.HeaderRowID), Stored: stored.UTC(), Time: stored.UTC(),
 		Repaired: get(format.HeaderRepaired) == "true"}
@@ -300,9 +318,8 @@ func auditMsg(h nats.Header, seq uint64, stored time.Time) (m audit.Msg, o forma
 	if src := get(format.HeaderSource); src != "" && lsnOK && err2 == nil {
 		// Positions compare within one history: the origin with its
 		// timeline (a failover or a restore starts another).
-		m.Writer = src
+		m.Writer, o, ok = origins.parse(src)
 		m.LSN, m.Index = uint64(lsn), idx
-		o, ok = format.ParseOrigin(src)
 	}
 	return m, o, ok
 }

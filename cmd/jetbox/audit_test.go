@@ -11,12 +11,15 @@ import (
 	"path/filepath"
 	"runtime/debug"
 	"slices"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/jetbox-dev/jetbox/internal/audit"
 	"github.com/jetbox-dev/jetbox/internal/testenv"
+	"github.com/jetbox-dev/jetbox/sink/format"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -244,7 +247,10 @@ func TestAuditRate(t *testing.T) {
 		t.Skip("set JETBOX_AUDIT_ROWS")
 	}
 	f := newFixture(t)
-	p := f.start("JETBOX_LOG_LEVEL=info")
+	// The stream's duplicate window: jetbox's default (the fixture's 30m
+	// keeps every id of the run in the server's memory), or
+	// JETBOX_AUDIT_WINDOW.
+	p := f.start("JETBOX_LOG_LEVEL=info", "JETBOX_DUPLICATE_WINDOW="+os.Getenv("JETBOX_AUDIT_WINDOW"))
 	f.waitStreaming(p)
 	f.pg.Exec(t, "CREATE INDEX ON outbox (created_at, id)") // the index jetbox check asks for
 	for done := 0; done < n; done += 10_000 {
@@ -271,14 +277,59 @@ func TestAuditRate(t *testing.T) {
 	for rep := 0; rep < envInt("JETBOX_AUDIT_REPS", 1); rep++ {
 		for _, bin := range bins {
 			jetboxBin = bin
+			nats0, pg0 := selfCPU(t), postgresCPU(t)
 			r := f.auditFor(bound, env...)
+			// The NATS server is embedded in this test process: its CPU
+			// over the audit is this process's (the sampling beside it is
+			// a few µs per 10 ms).
+			natsCPU, pgCPU := selfCPU(t)-nats0, postgresCPU(t)-pg0
 			if r.code != 0 || !strings.Contains(r.stdout, fmt.Sprintf("rows:           %d\n", n)) {
 				t.Fatalf("%s audit exited with %d, want 0 with %d rows:\n%s\n%s", bin, r.code, n, r.stdout, r.stderr)
 			}
-			t.Logf("%s: audit of %d rows: %s, %.0f rows/s, peak RSS %.1f MiB, CPU %.2f µs/row", filepath.Base(bin), n, r.elapsed.Round(time.Millisecond),
-				float64(n)/r.elapsed.Seconds(), float64(r.maxRSS)/(1<<20), float64(r.cpu.Microseconds())/float64(n))
+			perRow := func(d time.Duration) float64 { return float64(d.Microseconds()) / float64(n) }
+			t.Logf("%s: audit of %d rows: %s, %.0f rows/s, peak RSS %.1f MiB, CPU %.2f µs/row (NATS server %.2f, Postgres %.2f)", filepath.Base(bin), n, r.elapsed.Round(time.Millisecond),
+				float64(n)/r.elapsed.Seconds(), float64(r.maxRSS)/(1<<20), perRow(r.cpu), perRow(natsCPU), perRow(pgCPU))
 		}
 	}
+}
+
+// selfCPU is this process's user and system time.
+func selfCPU(t *testing.T) time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		t.Fatal(err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// postgresCPU is the user and system time of every postgres process on
+// the machine, with that of the children they reaped (the backends that
+// exited): the test's server is the only one.
+func postgresCPU(t *testing.T) time.Duration {
+	stats, err := filepath.Glob("/proc/[0-9]*/stat")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ticks int64
+	for _, p := range stats {
+		b, err := os.ReadFile(p)
+		if err != nil {
+			continue // exited
+		}
+		s := string(b)
+		open, end := strings.IndexByte(s, '('), strings.LastIndexByte(s, ')')
+		if open < 0 || end < open || s[open+1:end] != "postgres" {
+			continue
+		}
+		// After the command: state (field 3) first; utime, stime,
+		// cutime, cstime are fields 14 to 17.
+		f := strings.Fields(s[end+1:])
+		for _, v := range f[11:15] {
+			n, _ := strconv.ParseInt(v, 10, 64)
+			ticks += n
+		}
+	}
+	return time.Duration(ticks) * 10 * time.Millisecond // USER_HZ is 100 on Linux
 }
 
 // seqOf returns the stream sequence of the message with id.
@@ -448,19 +499,27 @@ func TestAuditJudgeable(t *testing.T) {
 
 // TestAuditMsgTimeline: positions are compared within one history: a
 // message of a new timeline (a failover, a restore) with a lower LSN is
-// another writer key, and a repair's message is marked.
+// another writer key, and a repair's message is marked. The origin parsed
+// last is kept, and a message of another origin is parsed again.
 func TestAuditMsgTimeline(t *testing.T) {
 	h := func(src, lsn string) nats.Header {
 		return nats.Header{"Jetbox-Source": {src}, "Jetbox-Commit-LSN": {lsn}, "Jetbox-Tx-Index": {"0"}, "Nats-Msg-Id": {"x"}}
 	}
-	m1, o1, ok1 := auditMsg(h("7/1/app/jetbox", "0/2000"), 1, time.Now())
-	m2, _, _ := auditMsg(h("7/2/app/jetbox", "0/1000"), 2, time.Now())
-	if !ok1 || o1.Database != "app" || o1.Slot != "jetbox" || m1.Writer == m2.Writer {
-		t.Errorf("writers %q and %q (origin %+v, %v): want one per timeline", m1.Writer, m2.Writer, o1, ok1)
+	var origins originCache
+	m1, o1, ok1 := auditMsg(h("7/1/app/jetbox", "0/2000"), 1, time.Now(), &origins)
+	m2, o2, _ := auditMsg(h("7/2/app/jetbox", "0/1000"), 2, time.Now(), &origins)
+	if !ok1 || o1.Database != "app" || o1.Slot != "jetbox" || m1.Writer == m2.Writer || o2.Timeline != 2 {
+		t.Errorf("writers %q and %q (origins %+v, %+v, %v): want one per timeline", m1.Writer, m2.Writer, o1, o2, ok1)
+	}
+	if m, o, ok := auditMsg(h("7/1/app/jetbox", "0/3000"), 3, time.Now(), &origins); !ok || o != o1 || m.Writer != m1.Writer {
+		t.Errorf("back on timeline 1: writer %q, origin %+v (%v), want %q, %+v", m.Writer, o, ok, m1.Writer, o1)
+	}
+	if _, o, ok := auditMsg(h("not an origin", "0/3000"), 4, time.Now(), &origins); ok || o != (format.Origin{}) {
+		t.Errorf("a foreign Jetbox-Source parsed as %+v (%v)", o, ok)
 	}
 	r := h("7/2/app/jetbox", "0/1000")
 	r.Set("Jetbox-Repaired", "true")
-	if m, _, _ := auditMsg(r, 3, time.Now()); !m.Repaired {
+	if m, _, _ := auditMsg(r, 5, time.Now(), &origins); !m.Repaired {
 		t.Error("a repair's message is not marked repaired")
 	}
 }
