@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
 	"github.com/jetbox-dev/jetbox/decoder"
+	"github.com/jetbox-dev/jetbox/sink"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
@@ -238,11 +239,12 @@ func (b *bench) verifyRelay(ctx context.Context, d deployment) error {
 
 // createStream creates a stream configured as jetbox creates its own (file
 // storage, one replica), capturing prefix.>; batch also allows fast-ingest
-// batch publishing. Its duplicate window is 2 minutes, or
-// JETBOX_DUPLICATE_WINDOW when set, the window the bench's jetbox then
-// creates its streams with too (it inherits the environment).
+// batch publishing. Its duplicate window is the one jetbox gives an
+// exactly-once stream, or JETBOX_DUPLICATE_WINDOW when set, the window the
+// bench's jetbox then creates its streams with too (it inherits the
+// environment).
 func (b *bench) createStream(ctx context.Context, name, prefix string, batch bool) error {
-	window := 2 * time.Minute
+	window := sink.ExactlyOnceDuplicateWindow
 	if v := os.Getenv("JETBOX_DUPLICATE_WINDOW"); v != "" {
 		w, err := time.ParseDuration(v)
 		if err != nil {

@@ -36,8 +36,8 @@ func TestStreamFlags(t *testing.T) {
 			t.Errorf("%s not recorded as given", k)
 		}
 	}
-	if sp.Given["duplicate-window"] || cfg.Sink.DuplicateWindow != time.Minute {
-		t.Errorf("exactly-once, no --duplicate-window: window %s (given %v), want 1m (2 x --publish-timeout)", cfg.Sink.DuplicateWindow, sp.Given["duplicate-window"])
+	if sp.Given["duplicate-window"] || cfg.Sink.DuplicateWindow != time.Second {
+		t.Errorf("exactly-once, no --duplicate-window: window %s (given %v), want 1s", cfg.Sink.DuplicateWindow, sp.Given["duplicate-window"])
 	}
 	f.Delivery, f.StreamMaxAge = "dedup", durationFlag{} // not given
 	if cfg, err = f.Config(); err != nil || cfg.Sink.DuplicateWindow != 10*time.Minute {
