@@ -37,8 +37,15 @@ func (p *Publisher) EnsureStream(ctx context.Context) (*jetstream.StreamInfo, er
 	case err != nil:
 		return nil, fmt.Errorf("look up stream %q: %w", p.cfg.Stream, err)
 	default:
-		if d := p.Drift(s.CachedInfo().Config); len(d) > 0 {
+		c := s.CachedInfo().Config
+		if d := p.Drift(c); len(d) > 0 {
 			p.log.Warn().Str("fix", p.DriftFix(d)).Msg(DriftText(p.cfg.Stream, d))
+		}
+		if w := p.cfg.DuplicateWindow; !p.cfg.Delivery.ExactlyOnce() && !p.cfg.StreamSpec.Given["duplicate-window"] && c.Duplicates < w {
+			// Dedup mode on a stream made for exactly-once (1s window), or
+			// by hand: Drift compares only the flags given.
+			p.log.Warn().Str("fix", fmt.Sprintf("nats stream edit %s --dupe-window %s", p.cfg.Stream, w)).
+				Msgf("stream %q has a duplicate window of %s, shorter than the %s dedup mode relies on (--max-outage, or --duplicate-window): a replay after a longer outage stores copies", p.cfg.Stream, c.Duplicates, w)
 		}
 	}
 	info := s.CachedInfo()

@@ -97,7 +97,8 @@ func newFixture(t testing.TB, opts ...fixtureOption) *fixture {
 	f.pg.Exec(t, cfg.ddl)
 	f.pg.Exec(t, `CREATE TABLE other (id bigserial PRIMARY KEY, note text)`)
 	// A long duplicate window: fault tests replay from Postgres' last
-	// checkpoint, which may be older than the 2-minute default.
+	// checkpoint, which may be older than jetbox's default window (dedup
+	// mode, JETBOX_TEST_DELIVERY, relies on it).
 	f.env = []string{"JETBOX_DUPLICATE_WINDOW=30m", "JETBOX_LOG_LEVEL=debug", "JETBOX_SHUTDOWN_TIMEOUT=5s", "JETBOX_HTTP_ADDR="}
 	// JETBOX_TEST_DELIVERY runs the tests in another delivery mode (CI runs
 	// the core set once more with dedup); unset, jetbox's default applies.

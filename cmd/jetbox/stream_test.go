@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/jetbox-dev/jetbox/internal/testenv"
+	"github.com/jetbox-dev/jetbox/sink"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
@@ -81,7 +82,7 @@ func TestCheckStreamConfig(t *testing.T) {
 	if code := realMain(args, &out, &errOut); code != exitOK {
 		t.Fatalf("exit %d:\n%s%s", code, out.String(), plainLog(errOut.String()))
 	}
-	for _, want := range []string{`stream "OUTBOX" is missing: jetbox run creates it with subjects ["outbox.>"], file storage, 1 replica(s), limits retention, max age unlimited, max bytes 10737418240, max messages unlimited, discard new, duplicate window 1m0s (replicas from a single server`,
+	for _, want := range []string{`stream "OUTBOX" is missing: jetbox run creates it with subjects ["outbox.>"], file storage, 1 replica(s), limits retention, max age unlimited, max bytes 10737418240, max messages unlimited, discard new, duplicate window 1s (replicas from a single server`,
 		"would have 1 replica(s)"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("check output lacks %q:\n%s", want, out.String())
@@ -115,14 +116,14 @@ func TestCheckStreamConfig(t *testing.T) {
 
 // TestRunCreatesR3OnCluster: `jetbox run` against the three-node cluster
 // helper, no stream flag: the stream it creates is R3 on all three servers,
-// with the 1-minute duplicate window of exactly-once mode.
+// with the 1-second duplicate window of exactly-once mode.
 func TestRunCreatesR3OnCluster(t *testing.T) {
 	f := newFixture(t)
 	c := testenv.StartCluster(t, 3)
 	f.natURL = c.Nodes[0].URL // one URL: the others come from the server's INFO
 	_, f.js = c.Connect(t)
 	f.env = withoutEnv(f.env, "JETBOX_DUPLICATE_WINDOW")
-	p := f.start()
+	p := f.start("JETBOX_DELIVERY=exactly-once")
 	f.waitStreaming(p)
 	if code := p.stop(); code != 0 {
 		t.Fatalf("exit %d:\n%s", code, p.tail(20))
@@ -132,7 +133,36 @@ func TestRunCreatesR3OnCluster(t *testing.T) {
 	info := s.CachedInfo()
 	t.Logf("created: replicas=%d retention=%s max_age=%s max_bytes=%d duplicates=%s peers=%d", info.Config.Replicas, info.Config.Retention,
 		info.Config.MaxAge, info.Config.MaxBytes, info.Config.Duplicates, len(info.Cluster.Replicas)+1)
-	if info.Config.Replicas != 3 || len(info.Cluster.Replicas) != 2 || info.Config.Duplicates != time.Minute {
+	if info.Config.Replicas != 3 || len(info.Cluster.Replicas) != 2 || info.Config.Duplicates != sink.ExactlyOnceDuplicateWindow {
 		t.Fatalf("stream %+v, cluster %+v", info.Config, info.Cluster)
+	}
+}
+
+// TestDedupOnExactlyOnceStream: a stream jetbox created in exactly-once
+// mode (its 1s window), then run in dedup mode with no --duplicate-window:
+// jetbox run warns that dedup mode relies on a window of --max-outage, with
+// the nats stream edit line, and does not change the stream.
+func TestDedupOnExactlyOnceStream(t *testing.T) {
+	f := newFixture(t)
+	f.env = withoutEnv(f.env, "JETBOX_DUPLICATE_WINDOW")
+	p := f.start("JETBOX_DELIVERY=exactly-once")
+	f.waitStreaming(p)
+	if code := p.stop(); code != 0 {
+		t.Fatalf("exit %d:\n%s", code, p.tail(20))
+	}
+	p = f.start("JETBOX_DELIVERY=dedup")
+	f.waitStreaming(p)
+	if code := p.stop(); code != 0 {
+		t.Fatalf("exit %d:\n%s", code, p.tail(20))
+	}
+	for _, want := range []string{`stream \"OUTBOX\" has a duplicate window of 1s, shorter than the 10m0s dedup mode relies on`, "nats stream edit OUTBOX --dupe-window 10m0s"} {
+		if !strings.Contains(p.logText(), want) {
+			t.Errorf("jetbox run (dedup) did not log %q:\n%s", want, p.tail(30))
+		}
+	}
+	s, err := f.js.Stream(ctxT(t, 10*time.Second), "OUTBOX")
+	must(t, err)
+	if d := s.CachedInfo().Config.Duplicates; d != sink.ExactlyOnceDuplicateWindow {
+		t.Errorf("the stream's window is %s, want %s (jetbox does not change a stream)", d, sink.ExactlyOnceDuplicateWindow)
 	}
 }
