@@ -305,17 +305,9 @@ func (r *runner) drain(ctx context.Context) error {
 // until none is left failed; it returns at once when none is.
 func (r *runner) recover(ctx context.Context) error {
 	for attempt := 1; ; attempt++ {
-		n, cause := r.tr.Failures()
-		if n == 0 {
+		if n, _ := r.tr.Failures(); n == 0 {
 			r.backoff = 0
 			return nil
-		}
-		// Any failed row may hold the reason to stop: their acks come in
-		// any order, and the rows after a failure fail because of it.
-		for _, err := range r.tr.FailedErrors() {
-			if err := r.stopOn(err); err != nil {
-				return err
-			}
 		}
 		// Let the pass end: its acks resolve or are given up.
 		if r.sess != nil {
@@ -325,6 +317,17 @@ func (r *runner) recover(ctx context.Context) error {
 			r.sess = nil
 		}
 		r.tr.FailPending(errAbandoned)
+		// Any failed row may hold the reason to stop: their acks come in
+		// any order (all are in now that the pass ended, so a reason
+		// acked after the failures it caused is not missed and no new
+		// session is opened for it), and the rows after a failure fail
+		// because of it.
+		for _, err := range r.tr.FailedErrors() {
+			if err := r.stopOn(err); err != nil {
+				return err
+			}
+		}
+		n, cause := r.tr.Failures()
 		r.backoff = min(max(2*r.backoff, 200*time.Millisecond), r.cfg.MaxBackoff)
 		r.cfg.Log.Warn().Err(cause).Int("failed", n).Int("attempt", attempt).Stringer("backoff", r.backoff).
 			Msg("publish failed: republishing from the first unacked row, in order")
