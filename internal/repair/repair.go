@@ -318,10 +318,12 @@ func (r *runner) recover(ctx context.Context) error {
 		}
 		r.tr.FailPending(errAbandoned)
 		// Any failed row may hold the reason to stop: their acks come in
-		// any order (all are in now that the pass ended, so a reason
-		// acked after the failures it caused is not missed and no new
-		// session is opened for it), and the rows after a failure fail
-		// because of it.
+		// any order, and the rows after a failure fail because of it.
+		// Read once the session is closed, so a reason acked after the
+		// failures it caused is not missed and no new session is opened
+		// for it. (Rows resend gave up on while its session was open
+		// keep errAbandoned: their later acks count for nothing, and a
+		// reason among them shows one session later.)
 		for _, err := range r.tr.FailedErrors() {
 			if err := r.stopOn(err); err != nil {
 				return err
