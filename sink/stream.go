@@ -45,7 +45,7 @@ func (p *Publisher) EnsureStream(ctx context.Context) (*jetstream.StreamInfo, er
 			// Dedup mode on a stream made for exactly-once (1s window), or
 			// by hand: Drift compares only the flags given.
 			p.log.Warn().Str("fix", fmt.Sprintf("nats stream edit %s --dupe-window %s", p.cfg.Stream, w)).
-				Msgf("stream %q has a duplicate window of %s, shorter than the %s dedup mode relies on (--max-outage, or --duplicate-window): a replay after a longer outage stores copies", p.cfg.Stream, c.Duplicates, w)
+				Msgf("stream %q has a duplicate window of %s, shorter than the %s dedup mode relies on (--max-outage): a replay after a longer outage stores copies", p.cfg.Stream, c.Duplicates, w)
 		}
 	}
 	info := s.CachedInfo()
