@@ -17,7 +17,7 @@ import (
 )
 
 // TestMain lets the test binary serve the bench's child roles (the NATS
-// server, the polling relay), as the bench binary does.
+// server, the polling relay, the bare forwarder), as the bench binary does.
 func TestMain(m *testing.M) {
 	if role := os.Getenv(roleEnv); role != "" {
 		os.Exit(runChild(role, os.Args[1:], os.Stderr))

@@ -14,9 +14,9 @@ import (
 	"github.com/jetbox-dev/jetbox/internal/natsembed"
 )
 
-// The bench runs the NATS server and the polling relay in child processes of
-// its own binary, so their CPU time can be read apart from the bench's (the
-// load generators and consumers). roleEnv names the child's role; the test
+// The bench runs the NATS server, the polling relay and the bare forwarder
+// in child processes of its own binary, so their CPU time can be read apart
+// from the bench's (the load generators and consumers). roleEnv names the child's role; the test
 // binary honours it too (see TestMain), so the test runs the same way.
 const roleEnv = "JETBOX_BENCH_ROLE"
 
@@ -24,6 +24,7 @@ const roleEnv = "JETBOX_BENCH_ROLE"
 const (
 	roleNATS  = "nats-server"
 	roleRelay = "polling-relay"
+	roleBare  = "bare-forwarder"
 )
 
 // runChild runs a child role until SIGTERM or SIGINT, and returns its exit code.
@@ -36,6 +37,8 @@ func runChild(role string, args []string, stderr io.Writer) int {
 		err = runNATSChild(ctx, args)
 	case roleRelay:
 		err = runRelayChild(ctx, args)
+	case roleBare:
+		err = runBareChild(ctx, args)
 	default:
 		err = fmt.Errorf("unknown %s=%q", roleEnv, role)
 	}

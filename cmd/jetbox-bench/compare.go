@@ -39,6 +39,17 @@ type variant struct {
 	// FloorQuiet: the floor client beside it reports its write position
 	// only, never confirming (--floor-confirm=both).
 	FloorQuiet bool
+	// Bare: the bare forwarder (bare.go) instead of jetbox; Bin is unused.
+	// BareGuard: with exactly-once's expected-sequence and -id headers.
+	Bare, BareGuard bool
+}
+
+// bareVariants are the bare forwarder's set-ups (--compare-bare), without
+// and with exactly-once's guards; their streams are created as jetbox
+// creates an exactly-once one.
+var bareVariants = []variant{
+	{Name: "bare forwarder (pglogrepl → async publish, no jetbox)", Delivery: "exactly-once", Ref: -1, Bare: true},
+	{Name: "bare forwarder, with exactly-once's expected last sequence and id", Delivery: "exactly-once", Ref: -1, Bare: true, BareGuard: true},
 }
 
 // compareRun is what one variant measured, repetition by repetition.
@@ -78,6 +89,9 @@ func (c Config) compareVariants(current string) []variant {
 				Bin: current, Delivery: mode, Env: []string{"JETBOX_STATUS_INTERVAL=" + si.String()}})
 		}
 	}
+	if c.CompareBare {
+		out = append(out, bareVariants...)
+	}
 	if !c.FloorBoth {
 		return out
 	}
@@ -98,7 +112,7 @@ func (b *bench) checkBaseline(vs []variant) error {
 	var problems []string
 	help := map[string]string{}
 	for _, v := range vs {
-		if v.Bin == b.jetbox {
+		if v.Bin == b.jetbox || v.Bare {
 			continue
 		}
 		if _, ok := help[v.Bin]; !ok {
@@ -141,6 +155,9 @@ func (b *bench) compare(ctx context.Context) ([]*compareRun, error) {
 		runs[i] = &compareRun{variant: v}
 		deps[i] = newDeployment(fmt.Sprintf("cmp%d", i), v.Delivery)
 		start := b.variantStart(v, deps[i])
+		if v.Bare { // jetbox creates the slot, the publication and the stream
+			start = b.variantStart(variant{Bin: b.jetbox, Delivery: v.Delivery}, deps[i])
+		}
 		if err := b.primeWith(ctx, deps[i], decoder.OutboxDDL, start); err != nil {
 			return runs, fmt.Errorf("%s: prime: %w", v.Name, err)
 		}
@@ -197,9 +214,12 @@ func (b *bench) kvStores(ctx context.Context) int64 {
 	return int64(info.State.LastSeq)
 }
 
-// variantStart starts v's jetbox for d.
+// variantStart starts v's jetbox (or the bare forwarder) for d.
 func (b *bench) variantStart(v variant, d deployment) func() (*process, error) {
 	return func() (*process, error) {
+		if v.Bare {
+			return b.startBare(d, v.BareGuard)
+		}
 		return startProcess("jetbox", b.logPath("jetbox-"+d.db), append(b.jetboxEnv(d), v.Env...), v.Bin, "run")
 	}
 }
@@ -255,8 +275,8 @@ func (r *Report) printCompare(w io.Writer) {
 	if r.CompareErr != nil {
 		fmt.Fprintf(w, "Did not complete: %v\n\n", r.CompareErr)
 	}
-	fmt.Fprintln(w, "| set-up | p50 per rep (ms) | p99 per rep (ms) | p50 | p99 | floor p99 | p99 − floor p99 | p50 ratio | p99 ratio | CPU µs/row jetbox / NATS | watermark stores per 1,000 rows | check |")
-	fmt.Fprintln(w, "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|---|")
+	fmt.Fprintln(w, "| set-up | p50 per rep (ms) | p99 per rep (ms) | p50 | p99 | floor p99 | p99 − floor p99 | row by row, forwarder − floor: p50 / p99 | p50 ratio | p99 ratio | CPU µs/row forwarder / NATS | watermark stores per 1,000 rows | check |")
+	fmt.Fprintln(w, "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|")
 	p50 := func(l latencyRun) time.Duration { return l.Stats.P50 }
 	p99 := func(l latencyRun) time.Duration { return l.Stats.P99 }
 	floor99 := func(l latencyRun) time.Duration { return l.Floor.P99 }
@@ -292,8 +312,10 @@ func (r *Report) printCompare(w io.Writer) {
 				kv = append(kv, fmt.Sprintf("%.0f", 1000*float64(n)/float64(cr.Reps[i].Stats.N)))
 			}
 		}
-		fmt.Fprintf(w, "| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s / %s | %s | %s |\n", cr.Name, strings.Join(reps50, ", "), strings.Join(reps99, ", "),
-			millis(medianOf(cr.Reps, p50)), millis(m99), millis(f99), signedMillis(m99-f99), ratio50, ratio99,
+		beyond50 := medianOf(cr.Reps, func(l latencyRun) time.Duration { return l.Beyond.P50 })
+		beyond99 := medianOf(cr.Reps, func(l latencyRun) time.Duration { return l.Beyond.P99 })
+		fmt.Fprintf(w, "| %s | %s | %s | %s | %s | %s | %s | %s / %s | %s | %s | %s / %s | %s | %s |\n", cr.Name, strings.Join(reps50, ", "), strings.Join(reps99, ", "),
+			millis(medianOf(cr.Reps, p50)), millis(m99), millis(f99), signedMillis(m99-f99), millis(beyond50), millis(beyond99), ratio50, ratio99,
 			micros(cpuJ), micros(cpuN), strings.Join(kv, ", "), check(errors.Join(append(errs, cr.Check)...)))
 	}
 	fmt.Fprintln(w)

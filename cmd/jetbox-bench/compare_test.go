@@ -1,15 +1,20 @@
 package main
 
 import (
+	"context"
 	"io"
 	"slices"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/jetbox-dev/jetbox/internal/pgcluster"
+	"github.com/jetbox-dev/jetbox/internal/testenv"
+	"github.com/rs/zerolog"
 )
 
-// TestCompareFlags: --baseline-bin and --status-intervals run only the
-// compare workload; the set-ups and what each is compared with.
+// TestCompareFlags: --baseline-bin, --status-intervals and --compare-bare
+// run only the compare workload; the set-ups and what each is compared with.
 func TestCompareFlags(t *testing.T) {
 	c, err := parseFlags([]string{"--baseline-bin", "/old/a,/old/b", "--compare-delivery", "dedup,exactly-once"}, io.Discard)
 	if err != nil || !c.runs("compare") || c.runs("steady") {
@@ -35,6 +40,11 @@ func TestCompareFlags(t *testing.T) {
 	c, err = parseFlags([]string{"--status-intervals", "1s", "--floor-confirm", "both"}, io.Discard)
 	if vs = c.compareVariants("/cur"); err != nil || len(vs) != 2 || vs[0].FloorQuiet || !vs[1].FloorQuiet || vs[1].Ref != 0 {
 		t.Fatalf("floor both: %+v, %v", vs, err)
+	}
+	c, err = parseFlags([]string{"--compare-bare"}, io.Discard)
+	if vs = c.compareVariants("/cur"); err != nil || !c.runs("compare") || c.runs("steady") || len(vs) != 3 ||
+		vs[0].Bin != "/cur" || vs[0].Bare || !vs[1].Bare || vs[1].BareGuard || !vs[2].BareGuard || vs[1].Ref != -1 || vs[2].Ref != -1 {
+		t.Fatalf("bare: %+v, %v", vs, err)
 	}
 	for _, bad := range [][]string{
 		{"--only", "compare"},
@@ -63,5 +73,53 @@ func TestMedianOf(t *testing.T) {
 	}
 	if got := medianOf(nil, p50); got != 0 {
 		t.Fatalf("none: %v", got)
+	}
+}
+
+// TestCompareSmoke runs the compare workload for two short repetitions of
+// jetbox and of the bare forwarder, without and with the guards: each
+// set-up's stream must hold every row once, in commit order (a guarded
+// publish refused by the server fails its set-up), and the report must
+// give the bare forwarder's rows.
+func TestCompareSmoke(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts Postgres, NATS, jetbox and the bare forwarder")
+	}
+	if _, err := pgcluster.FindBinDir(); err != nil {
+		if testenv.RequireServers() {
+			t.Fatal(err)
+		}
+		t.Skip(err)
+	}
+	cfg := defaultConfig()
+	cfg.WorkDir = t.TempDir()
+	cfg.Only, cfg.CompareBare, cfg.Reps = []string{"compare"}, true, 2
+	cfg.Writers, cfg.Steady, cfg.Timeout = 4, 2*time.Second, time.Minute
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	rep, err := Run(ctx, cfg, zerolog.New(zerolog.NewTestWriter(t)).With().Timestamp().Logger())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out strings.Builder
+	rep.Print(&out)
+	t.Logf("report:\n%s", out.String())
+	if rep.Failed() {
+		t.Fatal("a set-up failed or its stream was wrong (see the report)")
+	}
+	if len(rep.Compare) != 3 || !rep.Compare[1].Bare || !rep.Compare[2].BareGuard {
+		t.Fatalf("%d set-ups, want jetbox's and the bare forwarder's two", len(rep.Compare))
+	}
+	for _, c := range rep.Compare {
+		for _, l := range c.Reps {
+			if l.Stats.N == 0 || l.Beyond.N == 0 {
+				t.Errorf("%s: %d rows measured, %d beside the floor", c.Name, l.Stats.N, l.Beyond.N)
+			}
+		}
+	}
+	for _, v := range bareVariants {
+		if !strings.Contains(out.String(), "| "+v.Name+" |") {
+			t.Errorf("the report lacks the row of %q", v.Name)
+		}
 	}
 }

@@ -48,6 +48,7 @@ type Config struct {
 	StatusIntervals []time.Duration // the current build at these --status-interval values
 	FloorConfirm    bool            // the floor client confirms what it received (flush = write), every second
 	FloorBoth       bool            // compare: each set-up twice, the floor confirming and not
+	CompareBare     bool            // compare: also the bare forwarder (bare.go), the reference of the hop to JetStream
 	// The workload others can compare (workload.go).
 	WorkloadSizes []int         // payload bytes per row, one set of steps each
 	WorkloadRates []int         // rows (ops) per second, stepped through until one is not sustained
@@ -120,6 +121,7 @@ func parseFlags(args []string, stderr io.Writer) (Config, error) {
 	fs.StringVar(&statusIntervals, "status-intervals", "", "compare: run the current build at each of these --status-interval values (comma-separated durations), compared with the first (or with the baseline); alone it runs only compare")
 	floorConfirm := "true"
 	fs.StringVar(&floorConfirm, "floor-confirm", floorConfirm, "true: the floor client confirms what it received every second (flush position = write position, as jetbox confirms); false: it reports its write position only; both (compare): each set-up twice, with the floor confirming and not")
+	fs.BoolVar(&c.CompareBare, "compare-bare", false, "compare: also run the bare forwarder (pglogrepl → async JetStream publish with Nats-Msg-Id, nothing else) as a set-up of its own, beside the floor like the others: what any forwarder to JetStream adds to the floor; alone it runs only compare, with the current build")
 	workload := false
 	fs.BoolVar(&workload, "workload", false, "the workload others can compare, the shape of Sequin's published CDC benchmark: for each --workload-sizes, jetbox then the polling relay "+
 		"at each of --workload-rates (transactions of --workload-tx rows, --workload-step each) until a rate is not sustained; mean/p50/p99/p99.9 to stored; alone it runs only this")
@@ -166,7 +168,7 @@ func parseFlags(args []string, stderr io.Writer) (Config, error) {
 		}
 		c.StatusIntervals = append(c.StatusIntervals, d)
 	}
-	if len(c.Only) == 0 && (len(c.BaselineBins) > 0 || len(c.StatusIntervals) > 0) {
+	if len(c.Only) == 0 && (len(c.BaselineBins) > 0 || len(c.StatusIntervals) > 0 || c.CompareBare) {
 		c.Only = []string{"compare"}
 	}
 	if workload && !slices.Contains(c.Only, workloadName) {
@@ -228,8 +230,8 @@ func (c Config) validate() error {
 		}
 	}
 	errs = append(errs, c.validateWorkload()...)
-	if slices.Contains(c.Only, "compare") && len(c.BaselineBins) == 0 && len(c.StatusIntervals) == 0 {
-		errs = append(errs, errors.New("--only compare needs --baseline-bin or --status-intervals (what to compare)"))
+	if slices.Contains(c.Only, "compare") && len(c.BaselineBins) == 0 && len(c.StatusIntervals) == 0 && !c.CompareBare {
+		errs = append(errs, errors.New("--only compare needs --baseline-bin, --status-intervals or --compare-bare (what to compare)"))
 	}
 	for _, w := range c.Only {
 		if !slices.Contains(workloads, w) && !slices.Contains(scaleWorkloads, w) {
