@@ -23,8 +23,11 @@ import (
 // jetbox runs, it streams pgoutput from the deployment's slot, publishes
 // each outbox INSERT asynchronously with Nats-Msg-Id and the two position
 // headers the bench's order check reads, and confirms every second the end
-// of the last transaction whose publishes are all acked. Nothing more: no
-// retry, no metrics, no backpressure; a failed publish ends it. It is not a
+// of the last transaction whose publishes are all acked. At a start it
+// skips what the stream already holds (the rows at or before the position
+// of its last message), since the slot may replay what was acked after the
+// last confirm. Nothing more: no retry, no metrics, no backpressure; a
+// failed publish ends it. It is not a
 // forwarder to run: a lost publish would leave a gap. With guard, each
 // publish also carries the headers of jetbox's exactly-once mode on an R1
 // stream, Nats-Expected-Last-Sequence (pipelined: the stream's last sequence
@@ -41,7 +44,7 @@ type bareConfig struct {
 	PostgresURL, NatsURL string
 	Slot, Publication    string
 	Prefix               string // it publishes to <prefix>.bare
-	Stream               string // with Guard: the stream, read for its last sequence
+	Stream               string // the stream, read at the start for its last message
 	Guard                bool   // send exactly-once's expected-sequence and -id headers
 }
 
@@ -61,7 +64,7 @@ func runBareChild(ctx context.Context, args []string) error {
 	fs.StringVar(&c.Slot, "slot", "", "the replication slot (must exist)")
 	fs.StringVar(&c.Publication, "publication", "", "the publication")
 	fs.StringVar(&c.Prefix, "subject-prefix", "", "subjects are <prefix>.bare")
-	fs.StringVar(&c.Stream, "stream", "", "the stream (-guard reads its last sequence)")
+	fs.StringVar(&c.Stream, "stream", "", "the stream (read at the start for its last message)")
 	fs.BoolVar(&c.Guard, "guard", false, "send Nats-Expected-Last-Sequence and Nats-Expected-Last-Msg-Id, as jetbox's exactly-once mode does on R1")
 	if err := fs.Parse(args); err != nil {
 		return err
@@ -100,18 +103,12 @@ func runBare(ctx context.Context, c bareConfig) error {
 	if err != nil {
 		return fmt.Errorf("jetstream: %w", err)
 	}
-	err = pglogrepl.StartReplication(ctx, conn, c.Slot, 0, pglogrepl.StartReplicationOptions{
-		PluginArgs: []string{"proto_version '1'", fmt.Sprintf("publication_names '%s'", c.Publication)}})
-	if err != nil {
-		return fmt.Errorf("start replication on %q: %w", c.Slot, err)
-	}
 	f := &bareForwarder{js: js, subject: c.Prefix + ".bare", relations: map[uint32]floorRelation{}, guard: c.Guard}
-	if c.Guard {
-		s, err := js.Stream(ctx, c.Stream)
-		if err != nil {
-			return fmt.Errorf("stream %s: %w", c.Stream, err)
-		}
-		f.nextSeq = s.CachedInfo().State.LastSeq
+	if err := f.resume(ctx, c.Stream); err != nil {
+		return err
+	}
+	if err := startReplication(ctx, conn, c.Slot, c.Publication); err != nil {
+		return err
 	}
 	runErr := f.run(ctx, conn)
 	if ctx.Err() == nil {
@@ -121,6 +118,7 @@ func runBare(ctx context.Context, c bareConfig) error {
 	select {
 	case <-js.PublishAsyncComplete():
 	case <-time.After(10 * time.Second):
+		return fmt.Errorf("stop: %d publishes still not acked after 10 s", js.PublishAsyncPending())
 	}
 	if err := f.confirmAcked(); err != nil {
 		return err
@@ -129,6 +127,56 @@ func runBare(ctx context.Context, c bareConfig) error {
 	defer cancel()
 	if err := pglogrepl.SendStandbyStatusUpdate(sctx, conn, pglogrepl.StandbyStatusUpdate{WALWritePosition: f.acked}); err != nil {
 		return fmt.Errorf("final status update: %w", err)
+	}
+	return nil
+}
+
+// startReplication starts streaming slot, retrying for up to 10 s while
+// the slot is still active for the previous run's walsender (SQLSTATE
+// 55006: a walsender outlives its client's close for a moment).
+func startReplication(ctx context.Context, conn *pgconn.PgConn, slot, publication string) error {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		err := pglogrepl.StartReplication(ctx, conn, slot, 0, pglogrepl.StartReplicationOptions{
+			PluginArgs: []string{"proto_version '1'", fmt.Sprintf("publication_names '%s'", publication)}})
+		var pgErr *pgconn.PgError
+		if err == nil || !errors.As(err, &pgErr) || pgErr.Code != "55006" || time.Now().After(deadline) {
+			if err != nil {
+				return fmt.Errorf("start replication on %q: %w", slot, err)
+			}
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+// resume reads the stream's last message on the forwarder's subject: the
+// rows at or before its position are skipped, and with guard the next
+// publish expects the stream's last sequence and that message's id.
+func (f *bareForwarder) resume(ctx context.Context, stream string) error {
+	s, err := f.js.Stream(ctx, stream)
+	if err != nil {
+		return fmt.Errorf("stream %s: %w", stream, err)
+	}
+	f.nextSeq = s.CachedInfo().State.LastSeq
+	last, err := s.GetLastMsgForSubject(ctx, f.subject)
+	if errors.Is(err, jetstream.ErrMsgNotFound) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("stream %s: last message on %s: %w", stream, f.subject, err)
+	}
+	pos, ok := format.ParsePosition(last.Header)
+	if !ok {
+		return fmt.Errorf("stream %s: message seq %d on %s has no position", stream, last.Sequence, f.subject)
+	}
+	f.stored, f.hasStored = pos, true
+	if last.Sequence == f.nextSeq {
+		f.lastID = last.Header.Get(jetstream.MsgIDHeader)
 	}
 	return nil
 }
@@ -146,6 +194,8 @@ type bareForwarder struct {
 	guard     bool          // send the expected-sequence and -id headers
 	nextSeq   uint64        // with guard: the stream's last sequence before the next publish
 	lastID    string        // with guard: the previous publish's id
+	stored    format.Position
+	hasStored bool // stored is the position of the stream's last message at the start: skip up to it
 }
 
 // run receives and publishes until ctx ends or something fails.
@@ -220,11 +270,16 @@ func (f *bareForwarder) handle(data []byte) error {
 		if !ok || r.id < 0 || r.payload < 0 || m.Tuple == nil || len(m.Tuple.Columns) <= max(r.id, r.payload) {
 			return errors.New("an insert without a known id and payload column")
 		}
+		pos := format.Position{CommitLSN: uint64(f.commit), TxIndex: f.index}
+		if f.hasStored && !f.stored.Less(pos) {
+			f.index++
+			return nil // a replay: the stream holds it
+		}
 		id := string(m.Tuple.Columns[r.id].Data)
 		h := nats.Header{}
 		h.Set(jetstream.MsgIDHeader, id)
-		h.Set(format.HeaderCommitLSN, format.FormatLSN(uint64(f.commit)))
-		h.Set(format.HeaderTxIndex, strconv.Itoa(f.index))
+		h.Set(format.HeaderCommitLSN, format.FormatLSN(pos.CommitLSN))
+		h.Set(format.HeaderTxIndex, strconv.Itoa(pos.TxIndex))
 		var opts []jetstream.PublishOpt
 		if f.guard {
 			h.Set(jetstream.ExpectedLastSeqHeader, strconv.FormatUint(f.nextSeq, 10))

@@ -458,7 +458,12 @@ func (b *bench) startSQLLoad(ctx context.Context, d deployment, ws sqlWriters, s
 	if err != nil {
 		return nil, nil, err
 	}
-	stop := func() error { return p.stop(30 * time.Second) }
+	stop := func() error {
+		if err := p.stop(30 * time.Second); err != nil {
+			return fmt.Errorf("%w; log:\n%s", err, p.logTail(2048))
+		}
+		return nil
+	}
 	if opts.streams {
 		if err := b.waitStreaming(ctx, p, d.slot); err != nil {
 			p.kill()
