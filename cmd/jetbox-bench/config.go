@@ -121,7 +121,7 @@ func parseFlags(args []string, stderr io.Writer) (Config, error) {
 	fs.StringVar(&statusIntervals, "status-intervals", "", "compare: run the current build at each of these --status-interval values (comma-separated durations), compared with the first (or with the baseline); alone it runs only compare")
 	floorConfirm := "true"
 	fs.StringVar(&floorConfirm, "floor-confirm", floorConfirm, "true: the floor client confirms what it received every second (flush position = write position, as jetbox confirms); false: it reports its write position only; both (compare): each set-up twice, with the floor confirming and not")
-	fs.BoolVar(&c.CompareBare, "compare-bare", false, "compare: also run the bare forwarder (pglogrepl → async JetStream publish with Nats-Msg-Id, nothing else) as a set-up of its own, beside the floor like the others: what any forwarder to JetStream adds to the floor; alone it runs only compare, with the current build")
+	fs.BoolVar(&c.CompareBare, "compare-bare", false, "compare: also run the bare forwarder (pglogrepl → async JetStream publish with Nats-Msg-Id, nothing else), and the same with exactly-once's expected-sequence and -id headers, as set-ups of their own, beside the floor like the others: what any forwarder to JetStream adds to the floor; alone it runs only compare, with the current build")
 	workload := false
 	fs.BoolVar(&workload, "workload", false, "the workload others can compare, the shape of Sequin's published CDC benchmark: for each --workload-sizes, jetbox then the polling relay "+
 		"at each of --workload-rates (transactions of --workload-tx rows, --workload-step each) until a rate is not sustained; mean/p50/p99/p99.9 to stored; alone it runs only this")
