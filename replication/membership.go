@@ -9,6 +9,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 )
@@ -116,7 +117,7 @@ func (m membership) suspects() []string {
 		out = append(out, m.PubXmin)
 	}
 	for _, r := range m.Rows {
-		if r.Newer {
+		if r.Newer && !slices.Contains(out, r.Xmin) {
 			out = append(out, r.Xmin)
 		}
 	}
@@ -124,54 +125,233 @@ func (m membership) suspects() []string {
 }
 
 // settle decides what predatesSlot left open, given which of the suspects
-// committed after the slot's confirmed position (see committedAfterSlot):
-// every other suspect committed before it.
-func (m membership) settle(after map[string]bool) membership {
-	m.PubNewer = m.PubNewer && after[m.PubXmin]
+// a search placed before the slot's confirmed position (see
+// placeSuspects): every other suspect may be newer.
+func (m membership) settle(before map[string]bool) membership {
+	m.PubNewer = m.PubNewer && !before[m.PubXmin]
 	m.Rows = slices.Clone(m.Rows)
 	for i := range m.Rows {
-		m.Rows[i].Newer = m.Rows[i].Newer && after[m.Rows[i].Xmin]
+		m.Rows[i].Newer = m.Rows[i].Newer && !before[m.Rows[i].Xmin]
 	}
 	return m
 }
 
-// committedAfterSlot returns which of xids committed after the slot's
-// confirmed position. pgoutput sends nothing for a transaction that only
-// changed the catalog, so it decodes the WAL from that position with a
-// temporary copy of the slot under test_decoding, which shows every
-// transaction (its COMMIT line carries the xid), and drops the copy. The
-// WAL is decoded up to the server's end, on the server; only a count comes
-// back. A membership created in a subtransaction carries the
-// subtransaction's xid, which test_decoding does not show: such a
-// membership is taken as older than the slot.
-func committedAfterSlot(ctx context.Context, conn *pgx.Conn, slot string, xids []string) (map[string]bool, error) {
+// walSearch bounds a search of the WAL around a slot's confirmed position
+// (see placeSuspects).
+type walSearch struct {
+	// Chunk is how far past the position the first call after it decodes;
+	// each next one goes twice as far, up to maxChunk. Every call reads again from the
+	// copy's restart point, which moves only at running-transactions
+	// records, so a fixed step would read a long backlog over and over;
+	// doubling reads it about twice at most.
+	Chunk int64
+	// Budget is how long a search that may decode n bytes of WAL (from the
+	// slot's restart point to the end) may take in all.
+	Budget func(n int64) time.Duration
+}
+
+// defaultWALSearch decodes 16 MiB at first and allows a minute plus a
+// second per 4 MiB: test_decoding decodes tens of MiB a second on a small
+// server (see docs/failure-modes.md), so only a server that is far slower
+// than that, or stuck, runs out.
+var defaultWALSearch = walSearch{
+	Chunk:  16 << 20,
+	Budget: func(n int64) time.Duration { return time.Minute + time.Duration(n/(4<<20))*time.Second },
+}
+
+// maxChunk bounds a call of the search: pg_logical_slot_get_changes
+// holds its whole output on the server.
+const maxChunk = 256 << 20
+
+// shadowedSearch is how far past the slot's position a search goes on for
+// xids that are all shadowed (see placeSuspects).
+const shadowedSearch = 1 << 30
+
+// searchReport says how much of the WAL a search decoded.
+type searchReport struct {
+	Bytes    int64 // WAL from the slot's confirmed position to the end when the search began
+	Searched int64 // how much of it was decoded
+	Took     time.Duration
+	Early    bool // every suspect was placed before the end
+}
+
+func (r searchReport) String() string {
+	mib := func(n int64) string { return strconv.FormatFloat(float64(n)/(1<<20), 'f', 1, 64) + " MiB" }
+	return fmt.Sprintf("%s of %s in %s", mib(r.Searched), mib(r.Bytes), r.Took.Round(time.Millisecond))
+}
+
+// placement is where a search put the suspects: before the slot's
+// confirmed position, after it, or neither (see placeSuspects).
+type placement struct {
+	Before map[string]bool // committed before the position
+	After  map[string]bool // committed after it: the COMMIT was decoded there
+	// Shadowed: a transaction with an older xid committed after the
+	// position, which may have been its top transaction.
+	Shadowed map[string]bool
+}
+
+// placeSuspects places each xid before or after the slot's confirmed
+// position S. pgoutput sends nothing for a transaction that only changed
+// the catalog, so it decodes the WAL with a temporary copy of the slot
+// under test_decoding, which shows every transaction (its COMMIT line
+// carries the xid). It decodes in chunks that consume the copy, the first
+// up to S (it outputs nothing but moves the copy's catalog_xmin over the
+// running-transactions records before S), the next ones past it, until
+// every xid is placed or the end is reached: the flushed WAL once it holds
+// every commit the caller's catalog read could have seen (on a standby,
+// the replayed WAL).
+//
+// After: its COMMIT was decoded after S.
+//
+// Shadowed: a COMMIT decoded after S has an older xid. test_decoding names
+// only a transaction's top xid, so the xid may be a subtransaction's
+// (SAVEPOINT), and that commit its top transaction's (Postgres assigns a
+// parent's xid before its children's): it may be newer than S.
+//
+// Before, neither found nor shadowed, and: older than the copy's
+// catalog_xmin once it has decoded up to P (it had finished before a
+// running-transactions record before P; Postgres writes one at every
+// checkpoint and every 15 s while busy), or the end reached. Its
+// transaction, top or not, did not commit after S: it committed before.
+//
+// Every xid ends in one map, unless an error is returned.
+func placeSuspects(ctx context.Context, conn *pgx.Conn, slot string, xids []string, lim walSearch) (pl placement, rep searchReport, _ error) {
+	started := time.Now()
+	defer func() { rep.Took = time.Since(started) }()
+	pctx, cancel := context.WithTimeout(ctx, checkTimeout) // until the budget is known
+	defer cancel()
 	probe := fmt.Sprintf("jetbox_probe_%d", conn.PgConn().PID())
-	if _, err := conn.Exec(ctx, "SELECT pg_copy_logical_replication_slot($1, $2, true, 'test_decoding')", slot, probe); err != nil {
-		return nil, fmt.Errorf("copy slot %q to a temporary test_decoding slot %q: %w", slot, probe, err)
+	if _, err := conn.Exec(pctx, "SELECT pg_copy_logical_replication_slot($1, $2, true, 'test_decoding')", slot, probe); err != nil {
+		return pl, rep, fmt.Errorf("copy slot %q to a temporary test_decoding slot %q: %w", slot, probe, err)
 	}
 	defer func() {
 		dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 		defer cancel()
+		_, _ = conn.Exec(dctx, "RESET statement_timeout")
 		_, _ = conn.Exec(dctx, "SELECT pg_drop_replication_slot($1)", probe)
 	}()
-	commits := make([]string, len(xids))
-	for i, x := range xids {
-		commits[i] = "COMMIT " + x
+	// Every commit the catalog read saw is in the WAL before the insert
+	// position now; an asynchronous one may not be flushed yet, and
+	// decoding reads only flushed WAL: wait until it is.
+	var standby bool
+	var insert string
+	if err := conn.QueryRow(pctx, "SELECT pg_is_in_recovery(), CASE WHEN pg_is_in_recovery() THEN '0/0' ELSE pg_current_wal_insert_lsn()::text END").Scan(&standby, &insert); err != nil {
+		return pl, rep, fmt.Errorf("read the WAL's insert position: %w", err)
 	}
-	rows, err := conn.Query(ctx, `SELECT DISTINCT substr(data, 8) FROM pg_logical_slot_peek_changes($1, NULL, NULL, 'include-xids', '1', 'skip-empty-xacts', '0')
-		WHERE data = ANY ($2)`, probe, commits)
+	for !standby {
+		var flushed bool
+		if err := conn.QueryRow(pctx, "SELECT pg_current_wal_flush_lsn() >= $1::pg_lsn", insert).Scan(&flushed); err != nil {
+			return pl, rep, fmt.Errorf("wait for the WAL to be flushed up to %s: %w", insert, err)
+		}
+		if flushed {
+			break
+		}
+		select {
+		case <-pctx.Done():
+			return pl, rep, fmt.Errorf("wait for the WAL to be flushed up to %s: %w", insert, pctx.Err())
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	var from, end string
+	var decodable int64
+	err := conn.QueryRow(pctx, `SELECT s.confirmed_flush_lsn::text, e.lsn::text,
+			greatest(pg_wal_lsn_diff(e.lsn, s.confirmed_flush_lsn), 0)::bigint, greatest(pg_wal_lsn_diff(e.lsn, s.restart_lsn), 0)::bigint
+		FROM pg_replication_slots s, (SELECT CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_flush_lsn() END AS lsn) e
+		WHERE s.slot_name = $1`, probe).Scan(&from, &end, &rep.Bytes, &decodable)
 	if err != nil {
-		return nil, fmt.Errorf("decode slot %q's WAL from its confirmed position: %w", slot, err)
+		return pl, rep, fmt.Errorf("read slot %q's confirmed position and the WAL's end: %w", probe, err)
 	}
-	found, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	start, err := pglogrepl.ParseLSN(from)
 	if err != nil {
-		return nil, fmt.Errorf("decode slot %q's WAL from its confirmed position: %w", slot, err)
+		return pl, rep, fmt.Errorf("parse slot %q's confirmed position %q: %w", probe, from, err)
 	}
-	after := map[string]bool{}
-	for _, x := range found {
-		after[x] = true
+	last, err := pglogrepl.ParseLSN(end)
+	if err != nil {
+		return pl, rep, fmt.Errorf("parse the WAL's end %q: %w", end, err)
 	}
-	return after, nil
+	budget := lim.Budget(decodable)
+	deadline := started.Add(budget)
+	sctx, cancel := context.WithDeadline(ctx, deadline)
+	defer cancel()
+	// fail says how far the search got and what it was allowed.
+	fail := func(err error) error {
+		rep.Took = time.Since(started)
+		return fmt.Errorf("decode slot %q's WAL around its confirmed position %s (searched %s, budget %s): %w", slot, start, rep, budget, err)
+	}
+	pl = placement{Before: map[string]bool{}, After: map[string]bool{}, Shadowed: map[string]bool{}}
+	open := slices.Clone(xids)
+	// The first call decodes up to S (chunk 0), the next ones past it. A
+	// shadowed xid is refused in any case: it is looked for only in the
+	// first shadowedSearch past S, for the refusal to say whether it was
+	// found.
+	for pos, chunk, first := start, int64(0), true; len(open) > 0 && (first || pos < last); first, chunk = false, min(max(lim.Chunk, 2*chunk), maxChunk) {
+		if !slices.ContainsFunc(open, func(x string) bool { return !pl.Shadowed[x] }) && int64(pos-start) >= shadowedSearch {
+			break
+		}
+		upto := min(pos+pglogrepl.LSN(chunk), last)
+		if first {
+			upto = start
+		}
+		// The server stops too when the budget runs out: a client gone
+		// away is not noticed while it decodes.
+		left := time.Until(deadline)
+		if left <= 0 {
+			return pl, rep, fail(context.DeadlineExceeded)
+		}
+		if _, err := conn.Exec(sctx, fmt.Sprintf("SET statement_timeout = %d", max(left.Milliseconds(), 1))); err != nil {
+			return pl, rep, fail(fmt.Errorf("set the search's statement_timeout: %w", err))
+		}
+		// The suspects committed in the chunk, and those a commit in it
+		// with an older xid may have been the top transaction of.
+		var found, behind []string
+		err := conn.QueryRow(sctx, `WITH c AS MATERIALIZED (
+				SELECT substr(data, 8)::xid AS x FROM pg_logical_slot_get_changes($1, $2::pg_lsn, NULL, 'include-xids', '1', 'skip-empty-xacts', '0')
+				WHERE data ~ '^COMMIT [0-9]+$'),
+			m AS (SELECT max(age(x)) AS oldest FROM c)
+			SELECT coalesce((SELECT array_agg(DISTINCT x::text) FROM c WHERE x::text = ANY ($3)), '{}'),
+				coalesce((SELECT array_agg(o) FROM unnest($3::text[]) o, m WHERE m.oldest > age(o::xid)), '{}')`,
+			probe, upto.String(), open).Scan(&found, &behind)
+		if err != nil {
+			return pl, rep, fail(err)
+		}
+		for _, x := range found {
+			pl.After[x] = true
+		}
+		for _, x := range behind {
+			pl.Shadowed[x] = true
+		}
+		var at string
+		var older []string
+		if err := conn.QueryRow(sctx, `SELECT s.confirmed_flush_lsn::text,
+			coalesce((SELECT array_agg(x) FROM unnest($2::text[]) x WHERE age(x::xid) > age(s.catalog_xmin)), '{}')
+			FROM pg_replication_slots s WHERE s.slot_name = $1`, probe, open).Scan(&at, &older); err != nil {
+			return pl, rep, fail(fmt.Errorf("read slot %q's position: %w", probe, err))
+		}
+		for _, x := range older {
+			if !pl.After[x] && !pl.Shadowed[x] {
+				pl.Before[x] = true
+			}
+		}
+		next, err := pglogrepl.ParseLSN(at)
+		if err != nil {
+			return pl, rep, fail(fmt.Errorf("parse slot %q's position %q: %w", probe, at, err))
+		}
+		if !first && next <= pos {
+			return pl, rep, fail(fmt.Errorf("the copy stayed at %s, short of the end %s", at, last))
+		}
+		pos = max(pos, next)
+		rep.Searched = min(int64(pos-start), rep.Bytes)
+		// A shadowed xid is still looked for: found, the refusal can say
+		// it committed after S.
+		open = slices.DeleteFunc(open, func(x string) bool { return pl.After[x] || pl.Before[x] })
+		rep.Early = len(open) == 0 && pos < last
+	}
+	for _, x := range open { // the end, or only shadowed xids left
+		if !pl.Shadowed[x] {
+			pl.Before[x] = true
+		}
+	}
+	return pl, rep, nil
 }
 
 // memberProblem is a publication setting under which Postgres streams some
@@ -229,8 +409,10 @@ func readMembership(ctx context.Context, conn *pgconn.PgConn, cfg Config) (membe
 	pub, slot, table := quoteLiteral(cfg.Publication), quoteLiteral(cfg.Slot), quoteLiteral(cfg.quotedTable())
 	// newer(x): x's xmin is not older than the slot's catalog_xmin (age()
 	// measures back from the next xid, so an older xid has the greater age).
+	// A negative age is an xmin "in the future": a row frozen over 2^31
+	// xids ago keeps its raw xmin, which then reads so. It is older.
 	newer := func(x string) string {
-		return "coalesce((age(" + x + ".xmin) <= (SELECT age(catalog_xmin) FROM pg_replication_slots WHERE slot_name = " + slot + "))::text, '')"
+		return "coalesce((age(" + x + ".xmin) BETWEEN 0 AND (SELECT age(catalog_xmin) FROM pg_replication_slots WHERE slot_name = " + slot + "))::text, '')"
 	}
 	q := `WITH p AS (SELECT oid, xmin, puballtables FROM pg_publication WHERE pubname = ` + pub + `)
 	SELECT 'publication', p.oid::text, p.xmin::text, ` + newer("p") + ` FROM p

@@ -94,14 +94,17 @@ func TestMembershipSettle(t *testing.T) {
 	if got := m.suspects(); len(got) != 2 || got[0] != "5" || got[1] != "9" {
 		t.Fatalf("suspects = %v", got)
 	}
-	if !m.settle(map[string]bool{}).predatesSlot() {
-		t.Error("neither committed after the slot's position: not settled as older")
+	if m.settle(map[string]bool{}).predatesSlot() {
+		t.Error("neither placed before the slot's position: settled as older")
 	}
-	if m.settle(map[string]bool{"9": true}).predatesSlot() {
-		t.Error("the table's row committed after the slot's position: settled as older")
+	if !m.settle(map[string]bool{"5": true, "9": true}).predatesSlot() {
+		t.Error("both placed before the slot's position: not settled as older")
 	}
 	if m.settle(map[string]bool{"5": true}).predatesSlot() {
-		t.Error("the publication altered after the slot's position: settled as older")
+		t.Error("the table's row not placed before the slot's position: settled as older")
+	}
+	if m.settle(map[string]bool{"9": true}).predatesSlot() {
+		t.Error("the publication's row not placed before the slot's position: settled as older")
 	}
 	if !m.Rows[0].Newer {
 		t.Error("settle changed its receiver's rows")

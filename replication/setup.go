@@ -21,20 +21,35 @@ var ErrUnreachable = errors.New("postgres unreachable")
 // every finding at once: settings, role, table, publication and slot.
 // Missing publication and slot are Create findings (Ensure makes them).
 // The error is non-nil only when no check could run (cannot connect).
-func Check(ctx context.Context, connString string, cfg Config) ([]check.Finding, error) {
-	conn, err := connect(ctx, connString)
+func Check(ctx context.Context, connString string, cfg Config, log zerolog.Logger) ([]check.Finding, error) {
+	return checkWith(ctx, connString, cfg, log, defaultWALSearch)
+}
+
+// checkTimeout bounds the checks before the search of the WAL (see
+// checker.membership), which has its own budget, and again those after it.
+const checkTimeout = 30 * time.Second
+
+func checkWith(ctx context.Context, connString string, cfg Config, log zerolog.Logger, search walSearch) ([]check.Finding, error) {
+	cctx, cancel := context.WithTimeout(ctx, checkTimeout)
+	defer cancel()
+	conn, err := connect(cctx, connString)
 	if err != nil {
 		return nil, err
 	}
 	defer conn.Close(context.WithoutCancel(ctx))
 	var l check.List
-	c := &checker{ctx: ctx, conn: conn, cfg: cfg, l: &l}
+	c := &checker{ctx: cctx, conn: conn, cfg: cfg, l: &l, parent: ctx, connString: connString, log: log, search: search}
 	c.server()
 	c.messages()
 	tableOK := c.table()
 	pubExists := c.publication(tableOK)
 	c.slot(pubExists)
 	c.membership(pubExists)
+	// The search of the WAL in membership may have used a long budget of
+	// its own: the checks after it get their own checkTimeout.
+	rctx, cancelRest := context.WithTimeout(ctx, checkTimeout)
+	defer cancelRest()
+	c.ctx = rctx
 	c.repairMarker()
 	c.failover()
 	c.standbySlots()
@@ -59,10 +74,16 @@ func connect(ctx context.Context, connString string) (*pgx.Conn, error) {
 }
 
 type checker struct {
-	ctx  context.Context
+	ctx  context.Context // bounded by checkTimeout
 	conn *pgx.Conn
 	cfg  Config
 	l    *check.List
+	// The search of the WAL runs on its own connection, under parent and
+	// its own budget.
+	parent     context.Context
+	connString string
+	log        zerolog.Logger
+	search     walSearch
 	// facts gathered along the way
 	superuser, replication, inRecovery bool
 	walLogical, ownsTable              bool
@@ -370,21 +391,25 @@ func (c *checker) membership(pubExists bool) {
 	// The catalog_xmin lags (it moves only as the slot is confirmed past
 	// running-transactions records; a new slot starts at the oldest of the
 	// other slots'): look in the WAL for the transactions themselves.
-	pctx, cancel := context.WithTimeout(c.ctx, 20*time.Second)
-	after, err := committedAfterSlot(pctx, c.conn, c.cfg.Slot, m.suspects())
-	cancel()
-	how := "committed after the slot's position (found in the WAL from there)"
-	if err == nil {
-		if m = m.settle(after); m.predatesSlot() {
-			return
-		}
-	} else {
-		how = "are not older than the slot's catalog_xmin, and the WAL since the slot's position could not be searched for them (" + err.Error() + "), so they may be newer"
-	}
 	var confirmed string
 	if err := c.conn.QueryRow(c.ctx, "SELECT coalesce(confirmed_flush_lsn::text, '0/0') FROM pg_replication_slots WHERE slot_name = $1", c.cfg.Slot).Scan(&confirmed); err != nil {
 		c.fail("postgres.publication", err)
 		return
+	}
+	pl, rep, err := c.searchWAL(m.suspects())
+	var how string
+	switch {
+	case err != nil:
+		how = "are not older than the slot's catalog_xmin, and the WAL around the slot's position could not be searched for them (" + err.Error() + "), so they may be newer"
+	default:
+		c.l.Add(check.Info, "postgres.publication", fmt.Sprintf("the catalog rows behind the membership of %s in publication %q (%s) are not older than slot %q's catalog_xmin: searched the WAL around the slot's position for their transactions, %s", c.cfg.qualifiedTable(), c.cfg.Publication, m.describe(), c.cfg.Slot, rep), "")
+		if m = m.settle(pl.Before); m.predatesSlot() {
+			return
+		}
+		how = "committed after the slot's position (found in the WAL from there)"
+		if len(pl.After) == 0 {
+			how = "were not seen committing after the slot's position, but a transaction with an older xid committed after it: they may have been written inside a subtransaction (SAVEPOINT, a PL/pgSQL EXCEPTION block) of that transaction, whose xid is the only one the WAL's commit names, so they may be newer"
+		}
 	}
 	what, fix := newerError(c.cfg, m, confirmed, how)
 	sev := check.Error
@@ -392,6 +417,27 @@ func (c *checker) membership(pubExists bool) {
 		sev, what = check.Warning, "--accept-lost-rows: going on; "+what
 	}
 	c.l.Add(sev, "postgres.publication", what, fix)
+}
+
+// searchWAL runs placeSuspects on a connection of its own (a search that
+// runs out of time loses its connection, not the checker's), logging it:
+// the start waits for it.
+func (c *checker) searchWAL(xids []string) (placement, searchReport, error) {
+	conn, err := connect(c.ctx, c.connString)
+	if err != nil {
+		return placement{}, searchReport{}, err
+	}
+	defer conn.Close(context.WithoutCancel(c.ctx))
+	c.log.Info().Str("slot", c.cfg.Slot).Strs("xids", xids).
+		Msg("searching the WAL around the slot's position for the transactions behind the outbox's membership in the publication (their xids are not older than the slot's catalog_xmin): the start waits for it")
+	pl, rep, err := placeSuspects(c.parent, conn, c.cfg.Slot, xids, c.search)
+	ev := c.log.Info()
+	if err != nil {
+		ev = c.log.Warn().Err(err)
+	}
+	ev.Str("slot", c.cfg.Slot).Int64("wal_bytes", rep.Bytes).Int64("searched_bytes", rep.Searched).Dur("took", rep.Took).Bool("early", rep.Early).
+		Msg("searched the WAL around the slot's position")
+	return pl, rep, err
 }
 
 // Ensure creates what Check reported missing: the publication, then the

@@ -51,9 +51,7 @@ func checkAll(ctx context.Context, cfg Config, log zerolog.Logger) checkResult {
 	wg.Add(2)
 	go func() {
 		defer wg.Done()
-		sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-		defer cancel()
-		pg, pgErr = replication.Check(sctx, cfg.PostgresURL, cfg.Replication)
+		pg, pgErr = replication.Check(ctx, cfg.PostgresURL, cfg.Replication, log)
 	}()
 	go func() {
 		defer wg.Done()
