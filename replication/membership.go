@@ -145,15 +145,15 @@ type walSearch struct {
 	// records, so a fixed step would read a long backlog over and over;
 	// doubling reads it about twice at most.
 	Chunk int64
-	// Budget is how long a search that may decode n bytes of WAL (from the
-	// slot's restart point to the end) may take in all.
+	// Budget is how long a call that decodes n bytes of WAL (from the
+	// copy's restart point) may take.
 	Budget func(n int64) time.Duration
 }
 
-// defaultWALSearch decodes 16 MiB at first and allows a minute plus a
-// second per 4 MiB: test_decoding decodes tens of MiB a second on a small
-// server (see docs/failure-modes.md), so only a server that is far slower
-// than that, or stuck, runs out.
+// defaultWALSearch decodes 16 MiB at first and allows a call a minute
+// plus a second per 4 MiB it decodes: test_decoding decodes tens of MiB a
+// second on a small server (see docs/failure-modes.md), so only a server
+// that is far slower than that, or stuck, runs out.
 var defaultWALSearch = walSearch{
 	Chunk:  16 << 20,
 	Budget: func(n int64) time.Duration { return time.Minute + time.Duration(n/(4<<20))*time.Second },
@@ -195,11 +195,13 @@ type placement struct {
 // the catalog, so it decodes the WAL with a temporary copy of the slot
 // under test_decoding, which shows every transaction (its COMMIT line
 // carries the xid). It decodes in chunks that consume the copy, the first
-// up to S (it outputs nothing but moves the copy's catalog_xmin over the
-// running-transactions records before S), the next ones past it, until
-// every xid is placed or the end is reached: the flushed WAL once it holds
-// every commit the caller's catalog read could have seen (on a standby,
-// the replayed WAL).
+// up to S (it outputs at most the commit of a record that straddles S, and
+// moves the copy's catalog_xmin over the running-transactions records
+// before S), the next ones past it, until every xid is placed or the end is
+// reached: the flushed WAL (on a standby, the replayed WAL) once it has
+// passed seen, a position read after the caller's catalog read (the insert
+// position; on a standby, the received one), so it holds every commit that
+// read could have seen.
 //
 // After: its COMMIT was decoded after S.
 //
@@ -215,10 +217,10 @@ type placement struct {
 // transaction, top or not, did not commit after S: it committed before.
 //
 // Every xid ends in one map, unless an error is returned.
-func placeSuspects(ctx context.Context, conn *pgx.Conn, slot string, xids []string, lim walSearch) (pl placement, rep searchReport, _ error) {
+func placeSuspects(ctx context.Context, conn *pgx.Conn, slot string, xids []string, seen pglogrepl.LSN, lim walSearch) (pl placement, rep searchReport, _ error) {
 	started := time.Now()
 	defer func() { rep.Took = time.Since(started) }()
-	pctx, cancel := context.WithTimeout(ctx, checkTimeout) // until the budget is known
+	pctx, cancel := context.WithTimeout(ctx, checkTimeout) // set-up
 	defer cancel()
 	probe := fmt.Sprintf("jetbox_probe_%d", conn.PgConn().PID())
 	if _, err := conn.Exec(pctx, "SELECT pg_copy_logical_replication_slot($1, $2, true, 'test_decoding')", slot, probe); err != nil {
@@ -230,53 +232,46 @@ func placeSuspects(ctx context.Context, conn *pgx.Conn, slot string, xids []stri
 		_, _ = conn.Exec(dctx, "RESET statement_timeout")
 		_, _ = conn.Exec(dctx, "SELECT pg_drop_replication_slot($1)", probe)
 	}()
-	// Every commit the catalog read saw is in the WAL before the insert
-	// position now; an asynchronous one may not be flushed yet, and
-	// decoding reads only flushed WAL: wait until it is.
-	var standby bool
-	var insert string
-	if err := conn.QueryRow(pctx, "SELECT pg_is_in_recovery(), CASE WHEN pg_is_in_recovery() THEN '0/0' ELSE pg_current_wal_insert_lsn()::text END").Scan(&standby, &insert); err != nil {
-		return pl, rep, fmt.Errorf("read the WAL's insert position: %w", err)
-	}
-	for !standby {
-		var flushed bool
-		if err := conn.QueryRow(pctx, "SELECT pg_current_wal_flush_lsn() >= $1::pg_lsn", insert).Scan(&flushed); err != nil {
-			return pl, rep, fmt.Errorf("wait for the WAL to be flushed up to %s: %w", insert, err)
+	// Decoding reads the flushed WAL (on a standby, the replayed WAL). An
+	// asynchronous commit the catalog read saw may not be flushed yet, a
+	// commit replayed on a standby is visible before its end is counted as
+	// replayed: wait until the end passes seen.
+	const endSQL = "CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_flush_lsn() END"
+	for {
+		var reached bool
+		if err := conn.QueryRow(pctx, "SELECT "+endSQL+" >= $1::pg_lsn", seen.String()).Scan(&reached); err != nil {
+			return pl, rep, fmt.Errorf("wait for the WAL to be flushed or replayed up to %s: %w", seen, err)
 		}
-		if flushed {
+		if reached {
 			break
 		}
 		select {
 		case <-pctx.Done():
-			return pl, rep, fmt.Errorf("wait for the WAL to be flushed up to %s: %w", insert, pctx.Err())
+			return pl, rep, fmt.Errorf("wait for the WAL to be flushed or replayed up to %s: %w", seen, pctx.Err())
 		case <-time.After(20 * time.Millisecond):
 		}
 	}
-	var from, end string
-	var decodable int64
-	err := conn.QueryRow(pctx, `SELECT s.confirmed_flush_lsn::text, e.lsn::text,
-			greatest(pg_wal_lsn_diff(e.lsn, s.confirmed_flush_lsn), 0)::bigint, greatest(pg_wal_lsn_diff(e.lsn, s.restart_lsn), 0)::bigint
-		FROM pg_replication_slots s, (SELECT CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_flush_lsn() END AS lsn) e
-		WHERE s.slot_name = $1`, probe).Scan(&from, &end, &rep.Bytes, &decodable)
+	var from, restart, end string
+	err := conn.QueryRow(pctx, `SELECT s.confirmed_flush_lsn::text, s.restart_lsn::text, e.lsn::text, greatest(pg_wal_lsn_diff(e.lsn, s.confirmed_flush_lsn), 0)::bigint
+		FROM pg_replication_slots s, (SELECT `+endSQL+` AS lsn) e
+		WHERE s.slot_name = $1`, probe).Scan(&from, &restart, &end, &rep.Bytes)
 	if err != nil {
 		return pl, rep, fmt.Errorf("read slot %q's confirmed position and the WAL's end: %w", probe, err)
 	}
-	start, err := pglogrepl.ParseLSN(from)
-	if err != nil {
-		return pl, rep, fmt.Errorf("parse slot %q's confirmed position %q: %w", probe, from, err)
+	var start, back, last pglogrepl.LSN
+	for _, l := range []struct {
+		text string
+		to   *pglogrepl.LSN
+	}{{from, &start}, {restart, &back}, {end, &last}} {
+		if *l.to, err = pglogrepl.ParseLSN(l.text); err != nil {
+			return pl, rep, fmt.Errorf("parse slot %q's positions: %w", probe, err)
+		}
 	}
-	last, err := pglogrepl.ParseLSN(end)
-	if err != nil {
-		return pl, rep, fmt.Errorf("parse the WAL's end %q: %w", end, err)
-	}
-	budget := lim.Budget(decodable)
-	deadline := started.Add(budget)
-	sctx, cancel := context.WithDeadline(ctx, deadline)
-	defer cancel()
-	// fail says how far the search got and what it was allowed.
+	// fail says how far the search got and what the call was allowed.
+	var budget time.Duration
 	fail := func(err error) error {
 		rep.Took = time.Since(started)
-		return fmt.Errorf("decode slot %q's WAL around its confirmed position %s (searched %s, budget %s): %w", slot, start, rep, budget, err)
+		return fmt.Errorf("decode slot %q's WAL around its confirmed position %s (searched %s, the call's budget %s): %w", slot, start, rep, budget, err)
 	}
 	pl = placement{Before: map[string]bool{}, After: map[string]bool{}, Shadowed: map[string]bool{}}
 	open := slices.Clone(xids)
@@ -292,19 +287,20 @@ func placeSuspects(ctx context.Context, conn *pgx.Conn, slot string, xids []stri
 		if first {
 			upto = start
 		}
-		// The server stops too when the budget runs out: a client gone
-		// away is not noticed while it decodes.
-		left := time.Until(deadline)
-		if left <= 0 {
-			return pl, rep, fail(context.DeadlineExceeded)
-		}
-		if _, err := conn.Exec(sctx, fmt.Sprintf("SET statement_timeout = %d", max(left.Milliseconds(), 1))); err != nil {
+		// Each call decodes from the copy's restart point, which an old
+		// open transaction may hold back: its budget is for what it reads.
+		// The server stops too when it runs out (pgx would only close the
+		// socket, which the server does not notice while it decodes).
+		budget = lim.Budget(int64(max(upto, back) - back))
+		cctx, cancel := context.WithTimeout(ctx, budget)
+		if _, err := conn.Exec(cctx, fmt.Sprintf("SET statement_timeout = %d", max(budget.Milliseconds(), 1))); err != nil {
+			cancel()
 			return pl, rep, fail(fmt.Errorf("set the search's statement_timeout: %w", err))
 		}
 		// The suspects committed in the chunk, and those a commit in it
 		// with an older xid may have been the top transaction of.
 		var found, behind []string
-		err := conn.QueryRow(sctx, `WITH c AS MATERIALIZED (
+		err := conn.QueryRow(cctx, `WITH c AS MATERIALIZED (
 				SELECT substr(data, 8)::xid AS x FROM pg_logical_slot_get_changes($1, $2::pg_lsn, NULL, 'include-xids', '1', 'skip-empty-xacts', '0')
 				WHERE data ~ '^COMMIT [0-9]+$'),
 			m AS (SELECT max(age(x)) AS oldest FROM c)
@@ -312,6 +308,7 @@ func placeSuspects(ctx context.Context, conn *pgx.Conn, slot string, xids []stri
 				coalesce((SELECT array_agg(o) FROM unnest($3::text[]) o, m WHERE m.oldest > age(o::xid)), '{}')`,
 			probe, upto.String(), open).Scan(&found, &behind)
 		if err != nil {
+			cancel()
 			return pl, rep, fail(err)
 		}
 		for _, x := range found {
@@ -320,11 +317,13 @@ func placeSuspects(ctx context.Context, conn *pgx.Conn, slot string, xids []stri
 		for _, x := range behind {
 			pl.Shadowed[x] = true
 		}
-		var at string
+		var at, from string
 		var older []string
-		if err := conn.QueryRow(sctx, `SELECT s.confirmed_flush_lsn::text,
+		err = conn.QueryRow(cctx, `SELECT s.confirmed_flush_lsn::text, s.restart_lsn::text,
 			coalesce((SELECT array_agg(x) FROM unnest($2::text[]) x WHERE age(x::xid) > age(s.catalog_xmin)), '{}')
-			FROM pg_replication_slots s WHERE s.slot_name = $1`, probe, open).Scan(&at, &older); err != nil {
+			FROM pg_replication_slots s WHERE s.slot_name = $1`, probe, open).Scan(&at, &from, &older)
+		cancel()
+		if err != nil {
 			return pl, rep, fail(fmt.Errorf("read slot %q's position: %w", probe, err))
 		}
 		for _, x := range older {
@@ -333,8 +332,11 @@ func placeSuspects(ctx context.Context, conn *pgx.Conn, slot string, xids []stri
 			}
 		}
 		next, err := pglogrepl.ParseLSN(at)
+		if err == nil {
+			back, err = pglogrepl.ParseLSN(from)
+		}
 		if err != nil {
-			return pl, rep, fail(fmt.Errorf("parse slot %q's position %q: %w", probe, at, err))
+			return pl, rep, fail(fmt.Errorf("parse slot %q's positions %q, %q: %w", probe, at, from, err))
 		}
 		if !first && next <= pos {
 			return pl, rep, fail(fmt.Errorf("the copy stayed at %s, short of the end %s", at, last))

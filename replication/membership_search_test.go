@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
 	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/jetbox-dev/jetbox/internal/check"
@@ -48,6 +49,21 @@ func youngSlotWithBacklog(t *testing.T, pg *testenv.Postgres, conn *pgx.Conn) st
 	return xmin
 }
 
+// insertLSN returns the WAL's insert position: read after a catalog read,
+// every commit that read saw is before it.
+func insertLSN(t *testing.T, conn *pgx.Conn) pglogrepl.LSN {
+	t.Helper()
+	var s string
+	if err := conn.QueryRow(context.Background(), "SELECT pg_current_wal_insert_lsn()::text").Scan(&s); err != nil {
+		t.Fatal(err)
+	}
+	lsn, err := pglogrepl.ParseLSN(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return lsn
+}
+
 // findingsOf returns the findings named name.
 func findingsOf(fs []check.Finding, name string) []check.Finding {
 	var out []check.Finding
@@ -82,7 +98,7 @@ func TestMembershipSearchStopsEarly(t *testing.T) {
 	if err := conn.QueryRow(ctx, "SELECT (pg_current_xact_id()::text::bigint + 1000)::text").Scan(&future); err != nil {
 		t.Fatal(err)
 	}
-	pl, rep, err := placeSuspects(ctx, conn, "jetbox", []string{future}, small)
+	pl, rep, err := placeSuspects(ctx, conn, "jetbox", []string{future}, insertLSN(t, conn), small)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -90,7 +106,7 @@ func TestMembershipSearchStopsEarly(t *testing.T) {
 		t.Fatalf("an xid newer than all: %+v, %+v; want it shadowed, the whole WAL searched (over 4 MiB)", pl, rep)
 	}
 
-	pl, rep, err = placeSuspects(ctx, conn, "jetbox", []string{xmin}, small)
+	pl, rep, err = placeSuspects(ctx, conn, "jetbox", []string{xmin}, insertLSN(t, conn), small)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -120,7 +136,7 @@ func TestMembershipSearchStopsEarly(t *testing.T) {
 	// copy taken now of a slot confirmed to the end, then a few rows).
 	pg.Exec(t, "SELECT pg_replication_slot_advance('jetbox', pg_current_wal_flush_lsn())")
 	pg.Exec(t, "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) VALUES ('a', '1', 'E', '{}')")
-	pl, rep, err = placeSuspects(ctx, conn, "jetbox", []string{xmin}, small)
+	pl, rep, err = placeSuspects(ctx, conn, "jetbox", []string{xmin}, insertLSN(t, conn), small)
 	if err != nil || !pl.Before[xmin] {
 		t.Fatalf("after a few rows past the position: %+v, %+v, %v; want the publication placed before it", pl, rep, err)
 	}
@@ -148,6 +164,38 @@ func TestMembershipSearchFreshSlot(t *testing.T) {
 	}
 	if len(findingsOf(fs, "postgres.publication")) < 2 {
 		t.Fatalf("want the search's finding: %+v", fs)
+	}
+}
+
+// TestMembershipSearchWaitsForFlush: the table re-added to the publication
+// after the slot's position in an asynchronous commit, the search run at
+// once, before the WAL writer flushed it (decoding reads only flushed WAL):
+// the search waits for the WAL to be flushed up to what the catalog read
+// saw, and finds the re-add, rather than reaching an end before it and
+// placing it before the position.
+func TestMembershipSearchWaitsForFlush(t *testing.T) {
+	pg := testenv.StartPostgres(t)
+	conn := pg.Conn(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	pg.Exec(t, "ALTER SYSTEM SET wal_writer_delay = '3s'")
+	pg.Exec(t, "SELECT pg_reload_conf()")
+	pg.Exec(t, "SELECT pg_create_logical_replication_slot('other', 'pgoutput')")
+	pg.Exec(t, decoder.OutboxDDL+"; CREATE PUBLICATION jetbox FOR TABLE outbox")
+	pg.Exec(t, "SELECT pg_create_logical_replication_slot('jetbox', 'pgoutput')")
+	pg.Exec(t, "SET synchronous_commit = off; BEGIN; ALTER PUBLICATION jetbox DROP TABLE outbox; ALTER PUBLICATION jetbox ADD TABLE outbox; COMMIT")
+	var rel string
+	var flushed bool
+	if err := conn.QueryRow(ctx, "SELECT xmin::text, pg_current_wal_flush_lsn() >= pg_current_wal_insert_lsn() FROM pg_publication_rel").Scan(&rel, &flushed); err != nil {
+		t.Fatal(err)
+	}
+	if flushed {
+		t.Log("the WAL writer flushed the re-add before the search began: the wait is not exercised this run")
+	}
+	small := walSearch{Chunk: 256 << 10, Budget: func(int64) time.Duration { return time.Minute }}
+	pl, rep, err := placeSuspects(ctx, conn, "jetbox", []string{rel}, insertLSN(t, conn), small)
+	if err != nil || !pl.After[rel] || pl.Before[rel] {
+		t.Fatalf("re-added in an asynchronous commit: %+v, %+v, %v; want it found after the slot's position", pl, rep, err)
 	}
 }
 
@@ -195,7 +243,7 @@ func TestMembershipSearchFindsNewer(t *testing.T) {
 				t.Fatal(err)
 			}
 			small := walSearch{Chunk: 256 << 10, Budget: func(int64) time.Duration { return time.Minute }}
-			pl, rep, err := placeSuspects(ctx, conn, "jetbox", []string{rel}, small)
+			pl, rep, err := placeSuspects(ctx, conn, "jetbox", []string{rel}, insertLSN(t, conn), small)
 			if err != nil || pl.Before[rel] || pl.After[rel] == sub || (sub && rep.Searched != rep.Bytes) {
 				t.Fatalf("re-added after the slot's position: %+v, %+v, %v; want it not before, found after unless in a subtransaction", pl, rep, err)
 			}
@@ -252,4 +300,72 @@ func TestMembershipSearchOutOfTime(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// TestMembershipSearchOnStandby (16+): the search on a hot standby decodes
+// up to the replayed WAL. The slot on the standby, the table re-added on
+// the primary after the slot's position: once replayed, the check on the
+// standby finds the re-add and refuses; the membership as it was at the
+// slot's creation passes.
+func TestMembershipSearchOnStandby(t *testing.T) {
+	primary := testenv.StartPostgres(t)
+	if major := primary.Major(t); major < 16 {
+		t.Skipf("PostgreSQL %d cannot decode on a standby (16+): run with JETBOX_PG_BINDIR=$(.ci/fetch-postgres 17)", major)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	primary.Exec(t, decoder.OutboxDDL+"; CREATE PUBLICATION jetbox FOR TABLE outbox")
+	standby := testenv.StartStandby(t, primary, "hot_standby_feedback=on")
+	// Slot creation on a standby waits for a running-transactions record
+	// from the primary.
+	created := make(chan error, 1)
+	go func() {
+		_, err := standby.Conn(t).Exec(ctx, "SELECT pg_create_logical_replication_slot('jetbox', 'pgoutput')")
+		created <- err
+	}()
+	testenv.WaitFor(t, time.Minute, func() error {
+		primary.Exec(t, "SELECT pg_log_standby_snapshot()")
+		select {
+		case err := <-created:
+			if err != nil {
+				t.Fatal(err)
+			}
+			return nil
+		case <-time.After(200 * time.Millisecond):
+			return fmt.Errorf("slot not created on the standby yet")
+		}
+	})
+	small := walSearch{Chunk: 256 << 10, Budget: func(int64) time.Duration { return time.Minute }}
+	fs, err := checkWith(ctx, standby.DSN, searchCfg, zerolog.Nop(), small)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := refusals(fs); len(got) != 0 {
+		t.Fatalf("the membership from before the slot refused on the standby: %+v", got)
+	}
+
+	primary.Exec(t, "BEGIN; ALTER PUBLICATION jetbox DROP TABLE outbox; ALTER PUBLICATION jetbox ADD TABLE outbox; COMMIT")
+	var rel string
+	if err := primary.Conn(t).QueryRow(ctx, "SELECT xmin::text FROM pg_publication_rel").Scan(&rel); err != nil {
+		t.Fatal(err)
+	}
+	sb := standby.Conn(t)
+	testenv.WaitFor(t, time.Minute, func() error {
+		var n int
+		if err := sb.QueryRow(ctx, "SELECT count(*) FROM pg_publication_rel WHERE xmin::text = $1", rel).Scan(&n); err != nil {
+			return err
+		}
+		if n == 0 {
+			return fmt.Errorf("the re-add is not replayed yet")
+		}
+		return nil
+	})
+	fs, err = checkWith(ctx, standby.DSN, searchCfg, zerolog.Nop(), small)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := refusals(fs)
+	if len(got) != 1 || !strings.Contains(got[0].What, "committed after the slot's position (found in the WAL from there)") {
+		t.Fatalf("want the re-add found on the standby and refused, got %+v", got)
+	}
 }

@@ -6,8 +6,10 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
 	"github.com/jetbox-dev/jetbox/decoder"
 	"github.com/jetbox-dev/jetbox/internal/check"
 	"github.com/rs/zerolog"
@@ -57,10 +59,13 @@ func checkWith(ctx context.Context, connString string, cfg Config, log zerolog.L
 	return l, nil
 }
 
-func connect(ctx context.Context, connString string) (*pgx.Conn, error) {
+func connect(ctx context.Context, connString string, opts ...func(*pgx.ConnConfig)) (*pgx.Conn, error) {
 	pcfg, err := pgx.ParseConfig(connString)
 	if err != nil {
 		return nil, fmt.Errorf("parse postgres URL: %w", err)
+	}
+	for _, o := range opts {
+		o(pcfg)
 	}
 	conn, err := pgx.ConnectConfig(ctx, pcfg)
 	if err != nil {
@@ -391,12 +396,15 @@ func (c *checker) membership(pubExists bool) {
 	// The catalog_xmin lags (it moves only as the slot is confirmed past
 	// running-transactions records; a new slot starts at the oldest of the
 	// other slots'): look in the WAL for the transactions themselves.
-	var confirmed string
-	if err := c.conn.QueryRow(c.ctx, "SELECT coalesce(confirmed_flush_lsn::text, '0/0') FROM pg_replication_slots WHERE slot_name = $1", c.cfg.Slot).Scan(&confirmed); err != nil {
+	// seen: every commit the catalog read saw is in the WAL before it (on
+	// a standby, received).
+	var confirmed, seen string
+	if err := c.conn.QueryRow(c.ctx, `SELECT coalesce((SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1), '0/0'),
+		CASE WHEN pg_is_in_recovery() THEN greatest(coalesce(pg_last_wal_receive_lsn(), pg_last_wal_replay_lsn()), pg_last_wal_replay_lsn()) ELSE pg_current_wal_insert_lsn() END::text`, c.cfg.Slot).Scan(&confirmed, &seen); err != nil {
 		c.fail("postgres.publication", err)
 		return
 	}
-	pl, rep, err := c.searchWAL(m.suspects())
+	pl, rep, err := c.searchWAL(m.suspects(), seen)
 	var how string
 	switch {
 	case err != nil:
@@ -421,16 +429,25 @@ func (c *checker) membership(pubExists bool) {
 
 // searchWAL runs placeSuspects on a connection of its own (a search that
 // runs out of time loses its connection, not the checker's), logging it:
-// the start waits for it.
-func (c *checker) searchWAL(xids []string) (placement, searchReport, error) {
-	conn, err := connect(c.ctx, c.connString)
+// the start waits for it. A context done mid-call sends the server a
+// cancel request, so it does not decode on for nothing.
+func (c *checker) searchWAL(xids []string, seen string) (placement, searchReport, error) {
+	at, err := pglogrepl.ParseLSN(seen)
+	if err != nil {
+		return placement{}, searchReport{}, fmt.Errorf("parse the WAL position %q: %w", seen, err)
+	}
+	conn, err := connect(c.ctx, c.connString, func(pcfg *pgx.ConnConfig) {
+		pcfg.BuildContextWatcherHandler = func(pc *pgconn.PgConn) ctxwatch.Handler {
+			return &pgconn.CancelRequestContextWatcherHandler{Conn: pc, DeadlineDelay: 5 * time.Second}
+		}
+	})
 	if err != nil {
 		return placement{}, searchReport{}, err
 	}
 	defer conn.Close(context.WithoutCancel(c.ctx))
 	c.log.Info().Str("slot", c.cfg.Slot).Strs("xids", xids).
 		Msg("searching the WAL around the slot's position for the transactions behind the outbox's membership in the publication (their xids are not older than the slot's catalog_xmin): the start waits for it")
-	pl, rep, err := placeSuspects(c.parent, conn, c.cfg.Slot, xids, c.search)
+	pl, rep, err := placeSuspects(c.parent, conn, c.cfg.Slot, xids, at, c.search)
 	ev := c.log.Info()
 	if err != nil {
 		ev = c.log.Warn().Err(err)
