@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jetbox-dev/jetbox/internal/wait"
 )
 
 // membership is how the outbox table belongs to the publication, as the
@@ -140,10 +141,10 @@ func (m membership) settle(before map[string]bool) membership {
 // (see placeSuspects).
 type walSearch struct {
 	// Chunk is how far past the position the first call after it decodes;
-	// each next one goes twice as far, up to maxChunk. Every call reads again from the
-	// copy's restart point, which moves only at running-transactions
-	// records, so a fixed step would read a long backlog over and over;
-	// doubling reads it about twice at most.
+	// each next one goes twice as far, up to maxChunk. Every call reads
+	// again from the copy's restart point, which moves only at
+	// running-transactions records, so a fixed step would read a long
+	// backlog over and over; doubling reads it about twice at most.
 	Chunk int64
 	// Budget is how long a call that decodes n bytes of WAL (from the
 	// copy's restart point) may take.
@@ -245,27 +246,16 @@ func placeSuspects(ctx context.Context, conn *pgx.Conn, slot string, xids []stri
 		if reached {
 			break
 		}
-		select {
-		case <-pctx.Done():
-			return pl, rep, fmt.Errorf("wait for the WAL to be flushed or replayed up to %s: %w", seen, pctx.Err())
-		case <-time.After(20 * time.Millisecond):
+		if err := wait.Sleep(pctx, 20*time.Millisecond); err != nil {
+			return pl, rep, fmt.Errorf("wait for the WAL to be flushed or replayed up to %s: %w", seen, err)
 		}
 	}
-	var from, restart, end string
+	var start, back, last pglogrepl.LSN // S, the copy's restart point, the end
 	err := conn.QueryRow(pctx, `SELECT s.confirmed_flush_lsn::text, s.restart_lsn::text, e.lsn::text, greatest(pg_wal_lsn_diff(e.lsn, s.confirmed_flush_lsn), 0)::bigint
 		FROM pg_replication_slots s, (SELECT `+endSQL+` AS lsn) e
-		WHERE s.slot_name = $1`, probe).Scan(&from, &restart, &end, &rep.Bytes)
+		WHERE s.slot_name = $1`, probe).Scan(&start, &back, &last, &rep.Bytes)
 	if err != nil {
 		return pl, rep, fmt.Errorf("read slot %q's confirmed position and the WAL's end: %w", probe, err)
-	}
-	var start, back, last pglogrepl.LSN
-	for _, l := range []struct {
-		text string
-		to   *pglogrepl.LSN
-	}{{from, &start}, {restart, &back}, {end, &last}} {
-		if *l.to, err = pglogrepl.ParseLSN(l.text); err != nil {
-			return pl, rep, fmt.Errorf("parse slot %q's positions: %w", probe, err)
-		}
 	}
 	// fail says how far the search got and what the call was allowed.
 	var budget time.Duration
@@ -317,11 +307,11 @@ func placeSuspects(ctx context.Context, conn *pgx.Conn, slot string, xids []stri
 		for _, x := range behind {
 			pl.Shadowed[x] = true
 		}
-		var at, from string
+		var next pglogrepl.LSN
 		var older []string
 		err = conn.QueryRow(cctx, `SELECT s.confirmed_flush_lsn::text, s.restart_lsn::text,
 			coalesce((SELECT array_agg(x) FROM unnest($2::text[]) x WHERE age(x::xid) > age(s.catalog_xmin)), '{}')
-			FROM pg_replication_slots s WHERE s.slot_name = $1`, probe, open).Scan(&at, &from, &older)
+			FROM pg_replication_slots s WHERE s.slot_name = $1`, probe, open).Scan(&next, &back, &older)
 		cancel()
 		if err != nil {
 			return pl, rep, fail(fmt.Errorf("read slot %q's position: %w", probe, err))
@@ -331,15 +321,8 @@ func placeSuspects(ctx context.Context, conn *pgx.Conn, slot string, xids []stri
 				pl.Before[x] = true
 			}
 		}
-		next, err := pglogrepl.ParseLSN(at)
-		if err == nil {
-			back, err = pglogrepl.ParseLSN(from)
-		}
-		if err != nil {
-			return pl, rep, fail(fmt.Errorf("parse slot %q's positions %q, %q: %w", probe, at, from, err))
-		}
 		if !first && next <= pos {
-			return pl, rep, fail(fmt.Errorf("the copy stayed at %s, short of the end %s", at, last))
+			return pl, rep, fail(fmt.Errorf("the copy stayed at %s, short of the end %s", next, last))
 		}
 		pos = max(pos, next)
 		rep.Searched = min(int64(pos-start), rep.Bytes)

@@ -64,17 +64,6 @@ func insertLSN(t *testing.T, conn *pgx.Conn) pglogrepl.LSN {
 	return lsn
 }
 
-// findingsOf returns the findings named name.
-func findingsOf(fs []check.Finding, name string) []check.Finding {
-	var out []check.Finding
-	for _, f := range fs {
-		if f.Check == name {
-			out = append(out, f)
-		}
-	}
-	return out
-}
-
 // TestMembershipSearchStopsEarly: a young slot with a backlog (the start
 // that timed out after a 3M-row backlog): the search places the
 // publication's transaction before the slot's position by decoding up to
@@ -123,7 +112,7 @@ func TestMembershipSearchStopsEarly(t *testing.T) {
 		t.Fatalf("check of a young slot with a backlog failed: %+v", fs)
 	}
 	var searched []check.Finding
-	for _, f := range findingsOf(fs, "postgres.publication") {
+	for _, f := range check.Named(fs, "postgres.publication") {
 		if strings.Contains(f.What, "searched the WAL") {
 			searched = append(searched, f)
 		}
@@ -162,7 +151,7 @@ func TestMembershipSearchFreshSlot(t *testing.T) {
 	if check.Fatal(fs) {
 		t.Fatalf("check of a fresh slot beside another one failed: %+v", fs)
 	}
-	if len(findingsOf(fs, "postgres.publication")) < 2 {
+	if len(check.Named(fs, "postgres.publication")) < 2 {
 		t.Fatalf("want the search's finding: %+v", fs)
 	}
 }
@@ -202,7 +191,7 @@ func TestMembershipSearchWaitsForFlush(t *testing.T) {
 // refusals returns the publication findings that are not Info.
 func refusals(fs []check.Finding) []check.Finding {
 	var out []check.Finding
-	for _, f := range findingsOf(fs, "postgres.publication") {
+	for _, f := range check.Named(fs, "postgres.publication") {
 		if f.Severity != check.Info {
 			out = append(out, f)
 		}
@@ -286,7 +275,7 @@ func TestMembershipSearchOutOfTime(t *testing.T) {
 			t.Errorf("another check failed after the search ran out of time: %+v", f)
 		}
 	}
-	if len(findingsOf(fs, "postgres.failover")) != 1 {
+	if len(check.Named(fs, "postgres.failover")) != 1 {
 		t.Errorf("the failover check, which runs after the search, did not report: %+v", fs)
 	}
 	// The temporary copy goes with its connection.

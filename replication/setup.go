@@ -398,7 +398,8 @@ func (c *checker) membership(pubExists bool) {
 	// other slots'): look in the WAL for the transactions themselves.
 	// seen: every commit the catalog read saw is in the WAL before it (on
 	// a standby, received).
-	var confirmed, seen string
+	var confirmed string
+	var seen pglogrepl.LSN
 	if err := c.conn.QueryRow(c.ctx, `SELECT coalesce((SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1), '0/0'),
 		CASE WHEN pg_is_in_recovery() THEN greatest(coalesce(pg_last_wal_receive_lsn(), pg_last_wal_replay_lsn()), pg_last_wal_replay_lsn()) ELSE pg_current_wal_insert_lsn() END::text`, c.cfg.Slot).Scan(&confirmed, &seen); err != nil {
 		c.fail("postgres.publication", err)
@@ -431,11 +432,7 @@ func (c *checker) membership(pubExists bool) {
 // runs out of time loses its connection, not the checker's), logging it:
 // the start waits for it. A context done mid-call sends the server a
 // cancel request, so it does not decode on for nothing.
-func (c *checker) searchWAL(xids []string, seen string) (placement, searchReport, error) {
-	at, err := pglogrepl.ParseLSN(seen)
-	if err != nil {
-		return placement{}, searchReport{}, fmt.Errorf("parse the WAL position %q: %w", seen, err)
-	}
+func (c *checker) searchWAL(xids []string, seen pglogrepl.LSN) (placement, searchReport, error) {
 	conn, err := connect(c.ctx, c.connString, func(pcfg *pgx.ConnConfig) {
 		pcfg.BuildContextWatcherHandler = func(pc *pgconn.PgConn) ctxwatch.Handler {
 			return &pgconn.CancelRequestContextWatcherHandler{Conn: pc, DeadlineDelay: 5 * time.Second}
@@ -447,7 +444,7 @@ func (c *checker) searchWAL(xids []string, seen string) (placement, searchReport
 	defer conn.Close(context.WithoutCancel(c.ctx))
 	c.log.Info().Str("slot", c.cfg.Slot).Strs("xids", xids).
 		Msg("searching the WAL around the slot's position for the transactions behind the outbox's membership in the publication (their xids are not older than the slot's catalog_xmin): the start waits for it")
-	pl, rep, err := placeSuspects(c.parent, conn, c.cfg.Slot, xids, at, c.search)
+	pl, rep, err := placeSuspects(c.parent, conn, c.cfg.Slot, xids, seen, c.search)
 	ev := c.log.Info()
 	if err != nil {
 		ev = c.log.Warn().Err(err)

@@ -72,7 +72,7 @@ func TestCheckExactlyOnceStream(t *testing.T) {
 			}
 			cfg := baseConfig()
 			cfg.Stream, cfg.Delivery = name, sink.ExactlyOnce
-			found := findings(newPublisher(t, n, cfg).Check(ctx, 10*time.Minute), "nats.exactly_once")
+			found := check.Named(newPublisher(t, n, cfg).Check(ctx, 10*time.Minute), "nats.exactly_once")
 			var hit *check.Finding
 			for i, f := range found {
 				if f.Severity != check.Info {
@@ -111,14 +111,4 @@ func TestCheckExactlyOnceStream(t *testing.T) {
 			t.Fatalf("the stream jetbox created: %+v", f)
 		}
 	}
-}
-
-func findings(fs []check.Finding, name string) []check.Finding {
-	var out []check.Finding
-	for _, f := range fs {
-		if f.Check == name {
-			out = append(out, f)
-		}
-	}
-	return out
 }

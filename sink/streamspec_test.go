@@ -30,7 +30,7 @@ func TestStreamSpecSingleServer(t *testing.T) {
 	if r, why := p.AutoReplicas(); r != 1 {
 		t.Fatalf("AutoReplicas on a single server = %d (%s), want 1", r, why)
 	}
-	created := findings(p.Check(ctx, 10*time.Minute), "nats.stream")
+	created := check.Named(p.Check(ctx, 10*time.Minute), "nats.stream")
 	if len(created) != 1 || created[0].Severity != check.Create ||
 		!strings.Contains(created[0].What, "1 replica(s)") || !strings.Contains(created[0].What, "max age 240h0m0s, max bytes 1073741824, max messages 5000000, discard old, duplicate window 1m0s") {
 		t.Fatalf("check before the stream exists: %+v", created)
@@ -50,7 +50,7 @@ func TestStreamSpecSingleServer(t *testing.T) {
 		got.MaxMsgs != 5_000_000 || got.Discard != jetstream.DiscardOld || got.Storage != jetstream.FileStorage || got.Duplicates != time.Minute {
 		t.Fatalf("stream created with %+v", got)
 	}
-	if fs := findings(p.Check(ctx, 10*time.Minute), "nats.stream_config"); len(fs) != 1 || fs[0].Severity != check.Info {
+	if fs := check.Named(p.Check(ctx, 10*time.Minute), "nats.stream_config"); len(fs) != 1 || fs[0].Severity != check.Info {
 		t.Fatalf("check on the stream as created: %+v", fs)
 	}
 
@@ -60,7 +60,7 @@ func TestStreamSpecSingleServer(t *testing.T) {
 		Given: map[string]bool{"replicas": true, "max-age": true, "max-bytes": true, "max-msgs": true, "discard": true, "storage": true, "duplicate-window": true}}
 	q := newPublisher(t, n, cfg)
 	var drift *check.Finding
-	for _, f := range findings(q.Check(ctx, 10*time.Minute), "nats.stream_config") {
+	for _, f := range check.Named(q.Check(ctx, 10*time.Minute), "nats.stream_config") {
 		if f.Severity == check.Warning {
 			drift = &f
 		}
@@ -126,7 +126,7 @@ func TestStreamSpecCluster(t *testing.T) {
 	if r, why := p.AutoReplicas(); r != 3 {
 		t.Fatalf("AutoReplicas on a 3-node cluster = %d (%s; servers %q)", r, why, nc.Servers())
 	}
-	if fs := findings(p.Check(ctx, 10*time.Minute), "nats.stream"); len(fs) != 1 || !strings.Contains(fs[0].What, "3 replica(s)") {
+	if fs := check.Named(p.Check(ctx, 10*time.Minute), "nats.stream"); len(fs) != 1 || !strings.Contains(fs[0].What, "3 replica(s)") {
 		t.Fatalf("check before the stream exists: %+v", fs)
 	}
 	if _, err := p.EnsureStream(ctx); err != nil {
@@ -142,7 +142,7 @@ func TestStreamSpecCluster(t *testing.T) {
 	if info.Config.Replicas != 3 || info.Cluster == nil || len(info.Cluster.Replicas) != 2 {
 		t.Fatalf("stream created with %d replicas, cluster %+v", info.Config.Replicas, info.Cluster)
 	}
-	if fs := findings(p.Check(ctx, 10*time.Minute), "nats.replicas"); len(fs) != 0 {
+	if fs := check.Named(p.Check(ctx, 10*time.Minute), "nats.replicas"); len(fs) != 0 {
 		t.Fatalf("check warns about the R3 stream it created: %+v", fs)
 	}
 

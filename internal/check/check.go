@@ -31,6 +31,17 @@ func Fatal(fs []Finding) bool {
 	return false
 }
 
+// Named returns the findings of the check named name, in order.
+func Named(fs []Finding, name string) []Finding {
+	var out []Finding
+	for _, f := range fs {
+		if f.Check == name {
+			out = append(out, f)
+		}
+	}
+	return out
+}
+
 // List collects findings.
 type List []Finding
 
