@@ -196,6 +196,9 @@ func (b *bench) header() []string {
 		fmt.Sprintf("catch-up: %s rows in %d-row transactions, %d-byte JSON payloads; steady: %s at %d rows/s in 1-row transactions, %d writers; knee steps of %s",
 			groupDigits(float64(c.Rows)), c.TxRows, c.PayloadSize, c.Steady, c.SteadyRate, c.Writers, c.Step),
 	}
+	if c.CPUs.on() {
+		h = append(h, c.CPUs.describe())
+	}
 	if c.runs(workloadName) {
 		h = append(h, b.workloadHeader())
 	}

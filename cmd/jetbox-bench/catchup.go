@@ -79,6 +79,9 @@ func (b *bench) jetboxCatchup(ctx context.Context, name string, d deployment, ro
 // res.Events messages and fills in res: elapsed time, stored span, CPU and
 // the forwarder's peak RSS. It then stops the forwarder with stop.
 func (b *bench) measureDrain(ctx context.Context, res *throughput, stream string, start func() (*process, error), stop func(*process) error) error {
+	if err := b.settle(ctx); err != nil {
+		return err
+	}
 	m, err := b.startMeter(nil)
 	if err != nil {
 		return err
@@ -121,6 +124,10 @@ func (b *bench) recvlogical(ctx context.Context, d deployment, slot, endLSN stri
 		res.Err = fmt.Errorf("skipped: the catch-up it shares the WAL with failed")
 		return res
 	}
+	if err := b.settle(ctx); err != nil {
+		res.Err = err
+		return res
+	}
 	b.log.Info().Str("workload", "pg_recvlogical").Msg("starting")
 	m, err := b.startMeter(nil)
 	if err != nil {
@@ -152,7 +159,7 @@ func (b *bench) recvlogical(ctx context.Context, d deployment, slot, endLSN stri
 	if res.CPU, res.Err = m.read(nil, false); res.Err != nil {
 		return res
 	}
-	res.CPU.NATS = notMeasured
+	res.CPU.NATS, res.CPU.NATSKernel = notMeasured, notMeasured
 	res.CPU.Client, _ = p.cpu()
 	res.Err = b.slotReached(ctx, slot, endLSN)
 	return res

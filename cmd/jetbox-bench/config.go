@@ -41,6 +41,7 @@ type Config struct {
 	ScaleTx       []int         // scale-tx: rows per transaction
 	ScaleBytes    int64         // scale-payload: payload bytes per point at most (fewer rows for large payloads)
 	Timeout       time.Duration // bound on each wait for a workload to finish
+	CPUs          cpuPlan       // --pin-postgres: Postgres on CPUs of its own; zero: no pinning
 	// The compare workload (compare.go).
 	BaselineBins    []string        // previous jetbox builds run beside the current one (the first is the reference)
 	Reps            int             // interleaved repetitions of each set-up
@@ -112,6 +113,8 @@ func parseFlags(args []string, stderr io.Writer) (Config, error) {
 	fs.StringVar(&scalePayloads, "scale-payloads", scalePayloads, "scale-payload: payload sizes (bytes)")
 	fs.StringVar(&scaleTx, "scale-tx", scaleTx, "scale-tx: rows per transaction (each point has max(--rows, this) rows)")
 	fs.Int64Var(&c.ScaleBytes, "scale-bytes", c.ScaleBytes, "scale-payload: payload bytes per point at most (min(--rows, this/size) rows)")
+	pinPostgres := ""
+	fs.StringVar(&pinPostgres, "pin-postgres", "", "run Postgres (every process it forks) on these CPUs, e.g. 0, and NATS, the forwarders and the bench on the others: a database with cores of its own, on one host")
 	baselines := ""
 	fs.StringVar(&baselines, "baseline-bin", "", "previous jetbox build(s) to run beside the current one, comma-separated (workload compare: steady state at --rate for --steady, --reps interleaved repetitions each, the ratios to the first); alone it runs only compare")
 	fs.IntVar(&c.Reps, "reps", c.Reps, "compare: interleaved repetitions of each set-up")
@@ -146,6 +149,15 @@ func parseFlags(args []string, stderr io.Writer) (Config, error) {
 		}
 	}
 	var errs []error
+	if pinPostgres != "" {
+		allowed, err := allowedCPUs()
+		if err == nil {
+			c.CPUs, err = parseCPUPlan(pinPostgres, allowed)
+		}
+		if err != nil {
+			errs = append(errs, err)
+		}
+	}
 	c.CompareDelivery = splitList(compareDelivery)
 	c.BaselineBins = splitList(baselines)
 	switch floorConfirm {

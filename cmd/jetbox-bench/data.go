@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"syscall"
 	"time"
 
 	"github.com/jetbox-dev/jetbox/sink/format"
@@ -223,5 +224,21 @@ func (b *bench) readStream(ctx context.Context, stream string, fn func(h nats.He
 			return err
 		}
 	}
+	return nil
+}
+
+// settle writes back what earlier work left dirty before a throughput run is
+// timed: a CHECKPOINT (the load's heap pages) and a sync of every file system
+// (the WAL, the NATS store of the run before). A backlog that built up while
+// a forwarder was down was written back long before the forwarder came
+// back; without this, the write-back of a large load (gigabytes for
+// --scale-rows) runs during the drain, and the NATS server's writes into
+// the page cache cost it up to twice the kernel time per message
+// (docs/performance.md, "How cost grows with the work").
+func (b *bench) settle(ctx context.Context) error {
+	if err := b.srv.exec(ctx, "postgres", "CHECKPOINT"); err != nil {
+		return fmt.Errorf("checkpoint before a timed run: %w", err)
+	}
+	syscall.Sync()
 	return nil
 }

@@ -15,7 +15,10 @@ type usage struct {
 	Forwarder time.Duration // jetbox or the polling relay (its own process)
 	Postgres  time.Duration // every Postgres process, walsenders included
 	NATS      time.Duration // the NATS server process
-	Client    time.Duration // pg_recvlogical, or the bench itself for the raw publish runs
+	// NATSKernel is NATS' part spent in the kernel: writing its file store
+	// goes through the page cache, whose cost can grow with what was written.
+	NATSKernel time.Duration
+	Client     time.Duration // pg_recvlogical, or the bench itself for the raw publish runs
 }
 
 // total adds up the figures that were measured.
@@ -32,22 +35,23 @@ func (u usage) total() time.Duration {
 // meter measures the CPU the servers, a forwarder and the bench spend from
 // its start.
 type meter struct {
-	srv                     *servers
-	fwd, pg, nats, selfTime time.Duration
+	srv                                 *servers
+	fwd, pg, nats, natsKernel, selfTime time.Duration
 }
 
 // startMeter reads the CPU time the servers, fwd (nil: one not started yet,
 // measured from its start) and the bench used so far.
 func (b *bench) startMeter(fwd *process) (*meter, error) {
 	m := &meter{srv: b.srv}
-	var err1, err2, err3, err4 error
+	var err1, err2, err3, err4, err5 error
 	m.pg, err1 = b.srv.postgresCPU()
 	m.nats, err2 = b.srv.nats.cpu()
+	m.natsKernel, err5 = b.srv.nats.kernelCPU()
 	m.selfTime, err3 = processCPU(os.Getpid())
 	if fwd != nil {
 		m.fwd, err4 = fwd.cpu()
 	}
-	return m, errors.Join(err1, err2, err3, err4)
+	return m, errors.Join(err1, err2, err3, err4, err5)
 }
 
 // read returns what was spent since the meter started by fwd (when not nil),
@@ -56,7 +60,8 @@ func (m *meter) read(fwd *process, client bool) (usage, error) {
 	u := usage{Forwarder: notMeasured, Client: notMeasured}
 	pg, err1 := m.srv.postgresCPU()
 	nats, err2 := m.srv.nats.cpu()
-	u.Postgres, u.NATS = pg-m.pg, nats-m.nats
+	natsKernel, err5 := m.srv.nats.kernelCPU()
+	u.Postgres, u.NATS, u.NATSKernel = pg-m.pg, nats-m.nats, natsKernel-m.natsKernel
 	var err3, err4 error
 	if fwd != nil {
 		u.Forwarder, err3 = fwd.cpu()
@@ -67,7 +72,7 @@ func (m *meter) read(fwd *process, client bool) (usage, error) {
 		self, err4 = processCPU(os.Getpid())
 		u.Client = self - m.selfTime
 	}
-	return u, errors.Join(err1, err2, err3, err4)
+	return u, errors.Join(err1, err2, err3, err4, err5)
 }
 
 // throughput is the result of one catch-up style workload: a backlog of

@@ -26,6 +26,9 @@ type procStat struct {
 	// children the process waited for (Postgres' postmaster reaps its
 	// backends, so their time ends up here when they exit).
 	self, children time.Duration
+	// kernel is stime alone: self's part spent in the kernel (system calls,
+	// page faults).
+	kernel time.Duration
 }
 
 // readProcStat parses /proc/PID/stat.
@@ -58,7 +61,7 @@ func parseProcStat(b []byte) (procStat, error) {
 		n[i] = v
 	}
 	return procStat{ppid: int(n[0]), self: time.Duration(n[1]+n[2]) * clockTick,
-		children: time.Duration(n[3]+n[4]) * clockTick}, nil
+		children: time.Duration(n[3]+n[4]) * clockTick, kernel: time.Duration(n[2]) * clockTick}, nil
 }
 
 // processCPU is the CPU time (user + system) a running process used so far.
@@ -171,6 +174,15 @@ func (p *process) cpu() (time.Duration, error) {
 		return p.cmd.ProcessState.UserTime() + p.cmd.ProcessState.SystemTime(), nil
 	}
 	return processCPU(p.pid())
+}
+
+// kernelCPU is the part of cpu spent in the kernel (system time).
+func (p *process) kernelCPU() (time.Duration, error) {
+	if p.exited() {
+		return p.cmd.ProcessState.SystemTime(), nil
+	}
+	st, err := readProcStat(p.pid())
+	return st.kernel, err
 }
 
 // stop sends SIGTERM, waits up to timeout for the process to exit, then

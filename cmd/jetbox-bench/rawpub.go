@@ -86,6 +86,9 @@ func (b *bench) rawPublishSized(ctx context.Context, name, stream string, n int,
 
 // measurePublish runs publish (in the bench process) and fills in res.
 func (b *bench) measurePublish(ctx context.Context, res *throughput, stream string, publish func() error) error {
+	if err := b.settle(ctx); err != nil {
+		return err
+	}
 	m, err := b.startMeter(nil)
 	if err != nil {
 		return err

@@ -148,12 +148,13 @@ func (r *Report) printScale(w io.Writer) {
 		}
 		return fmt.Sprintf("%.1f", t.rate()*float64(payload)/1e6)
 	}
-	table(scaleRows, "Catch-up by backlog size (exactly-once), beside pg_recvlogical decoding the same WAL and raw async publishing of the same number of messages (same headers and order guard):",
-		"| rows | transactions of | events/s | elapsed | jetbox CPU µs/event | jetbox peak RSS | pg_recvlogical events/s | raw events/s | check |", "|--:|--:|--:|--:|--:|--:|--:|--:|---|",
+	table(scaleRows, "Catch-up by backlog size (exactly-once), beside pg_recvlogical decoding the same WAL and raw async publishing of the same number of messages (same headers and order guard); CPU per event of each process, the NATS server's part in the kernel in parentheses:",
+		"| rows | transactions of | events/s | elapsed | CPU µs/event: jetbox · Postgres · NATS (kernel) | jetbox peak RSS | pg_recvlogical events/s | raw events/s | raw: NATS CPU µs/event (kernel) | check |", "|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|",
 		func(s scaleRun) string {
 			t := s.Jetbox
-			return fmt.Sprintf("| %s | %s | %s | %s | %s | %s | %s | %s | %s |", groupDigits(float64(s.Rows)), groupDigits(float64(s.TxRows)), groupDigits(t.rate()),
-				seconds(t.Elapsed), micros(t.CPU.Forwarder/time.Duration(max(1, t.Events))), mebibytes(t.RSS), rateOf(s.Recv), rateOf(s.Raw), check(firstErr(t.Err, errOf(s.Recv), errOf(s.Raw))))
+			return fmt.Sprintf("| %s | %s | %s | %s | %s · %s · %s | %s | %s | %s | %s | %s |", groupDigits(float64(s.Rows)), groupDigits(float64(s.TxRows)), groupDigits(t.rate()),
+				seconds(t.Elapsed), perEvent(t, t.CPU.Forwarder), perEvent(t, t.CPU.Postgres), natsPerEvent(t), mebibytes(t.RSS), rateOf(s.Recv), rateOf(s.Raw), natsPerEvent(s.Raw),
+				check(firstErr(t.Err, errOf(s.Recv), errOf(s.Raw))))
 		})
 	table(scalePayload, "Catch-up by payload size (exactly-once), beside raw async publishing of the same messages (same headers and order guard):",
 		"| payload | rows | jetbox events/s | jetbox payload MB/s | raw events/s | raw payload MB/s | jetbox / raw | jetbox peak RSS | check |", "|--:|--:|--:|--:|--:|--:|--:|--:|---|",
@@ -173,6 +174,23 @@ func (r *Report) printScale(w io.Writer) {
 			return fmt.Sprintf("| %s | %s | %s | %s | %s | %s |", groupDigits(float64(s.TxRows)), groupDigits(float64(s.Rows)), groupDigits(t.rate()),
 				seconds(t.Elapsed), mebibytes(t.RSS), check(t.Err))
 		})
+}
+
+// perEvent is d per event of t, in µs, for a table.
+func perEvent(t *throughput, d time.Duration) string {
+	if t == nil || t.Events == 0 || d < 0 {
+		return "—"
+	}
+	return micros(d / time.Duration(t.Events))
+}
+
+// natsPerEvent is the NATS server's CPU per event of t with its kernel part,
+// "12.4 (3.1)", for a table.
+func natsPerEvent(t *throughput) string {
+	if t == nil || t.Err != nil || t.Events == 0 {
+		return "—"
+	}
+	return perEvent(t, t.CPU.NATS) + " (" + perEvent(t, t.CPU.NATSKernel) + ")"
 }
 
 // rateOf is t's rate for a table, "—" when it was not measured or failed.

@@ -43,6 +43,9 @@ func startServers(ctx context.Context, cfg Config, dir string, log zerolog.Logge
 			s.close()
 		}
 	}()
+	if err := cfg.CPUs.pinSelf(); err != nil { // NATS and every forwarder inherit it
+		return nil, err
+	}
 	if s.pgBin, err = pgcluster.FindBinDir(); err != nil {
 		return nil, err
 	}
@@ -50,6 +53,9 @@ func startServers(ctx context.Context, cfg Config, dir string, log zerolog.Logge
 		return nil, fmt.Errorf("pg_recvlogical not found beside initdb in %s: install the PostgreSQL client programs", s.pgBin)
 	}
 	if err := s.startPostgres(ctx); err != nil {
+		return nil, err
+	}
+	if err := cfg.CPUs.pinPostgres(s.pgPID); err != nil {
 		return nil, err
 	}
 	log.Info().Str("version", s.pgVersion).Str("dsn", s.pg.DSN).Msg("postgres started")
