@@ -147,7 +147,7 @@ func allowedCPUs() ([]int, error) {
 		return nil, fmt.Errorf("read the bench's CPUs: %w", err)
 	}
 	var cpus []int
-	for c := 0; c < len(s)*64; c++ {
+	for c := 0; len(cpus) < s.Count(); c++ {
 		if s.IsSet(c) {
 			cpus = append(cpus, c)
 		}
