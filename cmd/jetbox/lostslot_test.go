@@ -44,6 +44,7 @@ func TestAutoRepairFailover(t *testing.T) {
 	if testing.Short() {
 		t.Skip("real servers")
 	}
+	t.Parallel() // long and mostly waiting: runs beside another such test (docs/testing.md)
 	type autoCase struct {
 		name    string
 		env     string
@@ -243,6 +244,7 @@ func TestAutoRepairKilled(t *testing.T) {
 	if testing.Short() {
 		t.Skip("real servers")
 	}
+	t.Parallel() // long and mostly waiting: runs beside another such test (docs/testing.md)
 	for _, mode := range deliveryModes {
 		t.Run(mode.name, func(t *testing.T) {
 			f := newFixture(t)
