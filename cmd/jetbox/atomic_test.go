@@ -78,7 +78,7 @@ func assertTransactions(t *testing.T, msgs []testenv.StreamMsg, lasts map[string
 // can be inside a batch for the microseconds the batch takes to apply), so
 // those reads are only counted.
 func TestAtomicKillLoop(t *testing.T) {
-	t.Parallel() // long and mostly waiting: runs beside another such test (docs/testing.md)
+	runsBeside(t)
 	f := newFixture(t)
 	f.env = append(f.env, exactlyOnce, atomicTx, "JETBOX_LOG_LEVEL=info")
 	o := f.newOracle()
@@ -418,7 +418,7 @@ func TestAtomicNATSRestart(t *testing.T) {
 // kills or 45s): every committed row once, in commit order, and no atomic
 // batch ends inside a transaction.
 func TestAtomicClusterLeaderKills(t *testing.T) {
-	t.Parallel() // long and mostly waiting: runs beside another such test (docs/testing.md)
+	runsBeside(t)
 	f, c := newClusterFixture(t, true)
 	f.env = append(f.env, "JETBOX_PUBLISH_TIMEOUT=3s", exactlyOnce, atomicTx)
 	o := f.newOracle()

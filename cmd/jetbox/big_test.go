@@ -17,7 +17,7 @@ func TestMillionRowTransaction(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short")
 	}
-	t.Parallel() // long and mostly waiting: runs beside another such test (docs/testing.md)
+	runsBeside(t)
 	rows := envInt("JETBOX_BIG_TX_ROWS", 1_000_000)
 	f := newFixture(t)
 	o := f.newOracle()

@@ -19,7 +19,7 @@ import (
 // lame-duck mode: connections drop at once, publishes in flight are lost,
 // and the server hands the leadership it holds to a peer on its way out.
 func TestClusterLeaderKills(t *testing.T) {
-	t.Parallel() // long and mostly waiting: runs beside another such test (docs/testing.md)
+	runsBeside(t)
 	for _, mode := range []string{"exactly-once", "dedup"} {
 		t.Run(mode, func(t *testing.T) { clusterLeaderKills(t, "JETBOX_DELIVERY="+mode) })
 	}

@@ -73,7 +73,7 @@ func underLoad(t *testing.T, writers int, env ...string) (*fixture, *oracle, *pr
 // TestKillLoop SIGKILLs jetbox at random moments under a steady load, starts
 // it again each time, and checks the stream ends with every row once, in order.
 func TestKillLoop(t *testing.T) {
-	t.Parallel() // long and mostly waiting: runs beside another such test (docs/testing.md)
+	runsBeside(t)
 	killLoop(t)
 }
 
@@ -130,7 +130,7 @@ func natsRestart(t *testing.T, env ...string) {
 // TestConnectionCuts cuts jetbox's TCP connections to Postgres and to NATS
 // (through in-test proxies) under load, and blackholes each for a while.
 func TestConnectionCuts(t *testing.T) {
-	t.Parallel() // long and mostly waiting: runs beside another such test (docs/testing.md)
+	runsBeside(t)
 	f := newFixture(t)
 	o := f.newOracle()
 	pgProxy := testenv.StartProxy(t, fmt.Sprintf("127.0.0.1:%d", f.pg.Port()))

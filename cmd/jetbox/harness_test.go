@@ -85,6 +85,19 @@ func withNATS(o ...testenv.NATSOption) fixtureOption {
 }
 func withDDL(ddl string) fixtureOption { return func(c *fixtureConfig) { c.ddl = ddl } }
 
+// longTests bounds the long fault tests that run at once (runsBeside).
+var longTests = make(chan struct{}, 2)
+
+// runsBeside marks t as one of the long fault tests, which run two at a time
+// whatever the number of CPUs, after the other tests: each owns its servers,
+// directories and ports (testenv.FreePort never hands a port out twice), and
+// they spend most of their time waiting (docs/testing.md).
+func runsBeside(t *testing.T) {
+	t.Parallel()
+	longTests <- struct{}{}
+	t.Cleanup(func() { <-longTests })
+}
+
 func newFixture(t testing.TB, opts ...fixtureOption) *fixture {
 	t.Helper()
 	cfg := fixtureConfig{ddl: outboxDDL}

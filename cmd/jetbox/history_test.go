@@ -30,7 +30,7 @@ var deliveryModes = []struct{ name, env string }{
 // and with none (the repair stores a baseline marker on
 // <prefix>._jetbox.repair so that run resumes on the new slot's history).
 func TestRestoredPrimaryRefused(t *testing.T) {
-	t.Parallel() // long and mostly waiting: runs beside another such test (docs/testing.md)
+	runsBeside(t)
 	for _, tc := range []struct {
 		mode   struct{ name, env string }
 		missed int

@@ -19,7 +19,7 @@ import (
 // copies the same outages stored there (nothing may be lost; "once" is not
 // promised beyond the window).
 func TestNATSOutageBeyondDuplicateWindow(t *testing.T) {
-	t.Parallel() // long and mostly waiting: runs beside another such test (docs/testing.md)
+	runsBeside(t)
 	for _, mode := range []string{"exactly-once", "dedup"} {
 		t.Run(mode, func(t *testing.T) {
 			f := newFixture(t)

@@ -166,7 +166,7 @@ func TestRepairBackfill(t *testing.T) {
 	if testing.Short() {
 		t.Skip("real servers")
 	}
-	t.Parallel() // long and mostly waiting: runs beside another such test (docs/testing.md)
+	runsBeside(t)
 	rows := envInt("JETBOX_REPAIR_ROWS", 100_000)
 	for _, mode := range []string{"exactly-once", "dedup"} {
 		t.Run(mode, func(t *testing.T) {
@@ -210,7 +210,7 @@ func TestRepairLostSlot(t *testing.T) {
 	if testing.Short() {
 		t.Skip("real servers")
 	}
-	t.Parallel() // long and mostly waiting: runs beside another such test (docs/testing.md)
+	runsBeside(t)
 	for _, tc := range []struct {
 		name, mode, key string
 		opts            []fixtureOption
@@ -303,7 +303,7 @@ func TestRepairKilled(t *testing.T) {
 	if testing.Short() {
 		t.Skip("real servers")
 	}
-	t.Parallel() // long and mostly waiting: runs beside another such test (docs/testing.md)
+	runsBeside(t)
 	rows := envInt("JETBOX_REPAIR_ROWS", 100_000)
 	for _, mode := range []string{"exactly-once", "dedup"} {
 		t.Run(mode, func(t *testing.T) {

@@ -91,7 +91,7 @@ func TestIdleSlotRetainsNoWAL(t *testing.T) {
 // (a blackholed connection: acks never come) and after they failed (the
 // server stopped); then a crash and restart deliver everything.
 func TestNATSDownConfirmsNothingUnpublished(t *testing.T) {
-	t.Parallel() // long and mostly waiting: runs beside another such test (docs/testing.md)
+	runsBeside(t)
 	for _, mode := range []string{"blackholed", "stopped"} {
 		t.Run(mode, func(t *testing.T) {
 			f := newFixture(t)

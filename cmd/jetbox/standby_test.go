@@ -23,7 +23,7 @@ import (
 //
 // Every row once, in commit order, in exactly-once and atomic mode.
 func TestHAStandbyUnderBursts(t *testing.T) {
-	t.Parallel() // long and mostly waiting: runs beside another such test (docs/testing.md)
+	runsBeside(t)
 	for _, mode := range []struct{ name, env string }{
 		{"exactly-once", ""},
 		{"atomic", atomicTx},

@@ -106,9 +106,10 @@ func (c *Cluster) start(n *ClusterNode) {
 		NoLog:   true, NoSigs: true, MaxControlLine: 4096,
 	}
 	// Quiet by default; JETBOX_NATS_LOG_DIR=<dir> keeps each server's debug
-	// log there (<dir>/n1.log, ...), for post-mortems of a failed test.
+	// log there (<dir>/<test>-n1.log, ...), for post-mortems of a failed test.
 	if dir := os.Getenv("JETBOX_NATS_LOG_DIR"); dir != "" {
-		opts.NoLog, opts.Debug, opts.Logtime, opts.LogFile = false, true, true, filepath.Join(dir, n.Name+".log")
+		name := strings.NewReplacer("/", "_", " ", "_").Replace(c.t.Name()) + "-" + n.Name + ".log"
+		opts.NoLog, opts.Debug, opts.Logtime, opts.LogFile = false, true, true, filepath.Join(dir, name)
 	}
 	srv, err := server.NewServer(opts)
 	if err != nil {

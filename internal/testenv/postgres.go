@@ -77,7 +77,7 @@ func StartPostgres(t testing.TB, opts ...PGOption) *Postgres {
 	for _, o := range opts {
 		o(p)
 	}
-	p.c, err = pgcluster.New(pgcluster.Options{BinDir: bin, Template: templateDir, Settings: p.settings})
+	p.c, err = pgcluster.New(pgcluster.Options{BinDir: bin, Port: FreePort(t), Template: templateDir, Settings: p.settings})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -173,15 +173,36 @@ func abbreviate(s string) string {
 	return s
 }
 
-// FreePort returns a TCP port free on 127.0.0.1 at the time of the call.
+// handedOut holds every port FreePort returned in this test binary. A
+// server a test stops and starts again keeps its port free in between; the
+// long fault tests run two at a time, so another test must not be handed
+// that port meanwhile (its server would fail to start, or the first test's
+// clients would reach it).
+var handedOut = struct {
+	sync.Mutex
+	ports map[int]bool
+}{ports: map[int]bool{}}
+
+// FreePort returns a TCP port free on 127.0.0.1 at the time of the call and
+// never returned before in this test binary.
 func FreePort(t testing.TB) int {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
+	handedOut.Lock()
+	defer handedOut.Unlock()
+	for range 100 {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		port := l.Addr().(*net.TCPAddr).Port
+		l.Close()
+		if !handedOut.ports[port] {
+			handedOut.ports[port] = true
+			return port
+		}
 	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
+	t.Fatal("no free port on 127.0.0.1 that was not handed out before, in 100 tries")
+	return 0
 }
 
 // WaitFor polls cond until it returns nil or timeout passes, then fails the

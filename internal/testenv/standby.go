@@ -87,7 +87,7 @@ func StartNamedStandby(t testing.TB, primary *Postgres, name string, extra ...st
 		t.Fatal(err)
 	}
 	s := &Postgres{t: t}
-	s.c, err = pgcluster.New(pgcluster.Options{BinDir: bin, Template: primary.DataDir(), Settings: settings})
+	s.c, err = pgcluster.New(pgcluster.Options{BinDir: bin, Port: FreePort(t), Template: primary.DataDir(), Settings: settings})
 	primary.Start()
 	if err != nil {
 		t.Fatal(err)
