@@ -32,7 +32,7 @@ func TestParseProcStat(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if st.ppid != 17 || st.self != 168*clockTick || st.kernel != 45*clockTick || st.children != 13*clockTick {
+	if st.ppid != 17 || st.self != 168*clockTick || st.kernel != 45*clockTick || st.children != 13*clockTick || st.minorFaults != 900 {
 		t.Fatalf("got %+v", st)
 	}
 	if _, err := parseProcStat([]byte("42 (short) S 1 2")); err == nil {

@@ -99,6 +99,9 @@ func (b *bench) measureDrain(ctx context.Context, res *throughput, stream string
 	if res.CPU, err = m.read(p, false); err != nil {
 		return err
 	}
+	if res.Host, err = m.hostUsage(); err != nil {
+		return err
+	}
 	if res.RSS, err = peakRSS(p.pid()); err != nil {
 		return err
 	}

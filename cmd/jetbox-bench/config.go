@@ -17,6 +17,7 @@ type Config struct {
 	JetboxBin     string // the jetbox binary; empty: built from ./cmd/jetbox
 	NATSBin       string // a nats-server binary; empty: the embedded server in a child process
 	WorkDir       string // empty: a new temp dir, removed at the end
+	DropCaches    bool   // --drop-caches: the clean page cache is dropped before every timed run (root)
 	Keep          bool   // keep WorkDir whole (logs, profiles, the NATS store); with Profile alone the NATS store goes
 	Rows          int    // catch-up rows
 	TxRows        int    // rows per catch-up transaction
@@ -113,6 +114,7 @@ func parseFlags(args []string, stderr io.Writer) (Config, error) {
 	fs.StringVar(&scalePayloads, "scale-payloads", scalePayloads, "scale-payload: payload sizes (bytes)")
 	fs.StringVar(&scaleTx, "scale-tx", scaleTx, "scale-tx: rows per transaction (each point has max(--rows, this) rows)")
 	fs.Int64Var(&c.ScaleBytes, "scale-bytes", c.ScaleBytes, "scale-payload: payload bytes per point at most (min(--rows, this/size) rows)")
+	fs.BoolVar(&c.DropCaches, "drop-caches", false, "drop the host's clean page cache before every timed run (needs root; affects the whole host), so that each writes into memory the host used moments before: a diagnostic of what the memory costs (docs/performance.md); every run then reads its WAL back from disk")
 	pinPostgres := ""
 	fs.StringVar(&pinPostgres, "pin-postgres", "", "run Postgres (every process it forks) on these CPUs, e.g. 0, and NATS, the forwarders and the bench on the others: a database with cores of its own, on one host")
 	baselines := ""

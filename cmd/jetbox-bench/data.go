@@ -234,11 +234,15 @@ func (b *bench) readStream(ctx context.Context, stream string, fn func(h nats.He
 // back; without this, the write-back of a large load (gigabytes for
 // --scale-rows) runs during the drain, and the NATS server's writes into
 // the page cache cost it up to twice the kernel time per message
-// (docs/performance.md, "How cost grows with the work").
+// (docs/performance.md, "How cost grows with the work"). With
+// --drop-caches it then drops the clean page cache (dropPageCache).
 func (b *bench) settle(ctx context.Context) error {
 	if err := b.srv.exec(ctx, "postgres", "CHECKPOINT"); err != nil {
 		return fmt.Errorf("checkpoint before a timed run: %w", err)
 	}
 	syscall.Sync()
+	if b.cfg.DropCaches {
+		return dropPageCache()
+	}
 	return nil
 }

@@ -37,6 +37,7 @@ func (u usage) total() time.Duration {
 type meter struct {
 	srv                                 *servers
 	fwd, pg, nats, natsKernel, selfTime time.Duration
+	host                                hostSnapshot
 }
 
 // startMeter reads the CPU time the servers, fwd (nil: one not started yet,
@@ -51,7 +52,20 @@ func (b *bench) startMeter(fwd *process) (*meter, error) {
 	if fwd != nil {
 		m.fwd, err4 = fwd.cpu()
 	}
-	return m, errors.Join(err1, err2, err3, err4, err5)
+	var err6 error
+	m.host, err6 = readHost(b.srv.nats.pid())
+	return m, errors.Join(err1, err2, err3, err4, err5, err6)
+}
+
+// hostUsage is what the host's kernel did since the meter started: reclaim
+// and the NATS server's system calls.
+func (m *meter) hostUsage() (*hostUsage, error) {
+	now, err := readHost(m.srv.nats.pid())
+	if err != nil {
+		return nil, err
+	}
+	u := m.host.since(now)
+	return &u, nil
 }
 
 // read returns what was spent since the meter started by fwd (when not nil),
@@ -83,7 +97,8 @@ type throughput struct {
 	Elapsed time.Duration // from the forwarder's (or publisher's) start to the last event stored
 	Span    time.Duration // from the first to the last event stored; 0 where unknown
 	CPU     usage
-	RSS     int64 // the forwarder's peak RSS; 0 where not measured
+	RSS     int64      // the forwarder's peak RSS; 0 where not measured
+	Host    *hostUsage // the host's reclaim and the NATS server's system calls; nil where not measured
 	Note    string
 	Err     error // the run failed or its output was wrong
 }

@@ -29,6 +29,9 @@ type procStat struct {
 	// kernel is stime alone: self's part spent in the kernel (system calls,
 	// page faults).
 	kernel time.Duration
+	// minorFaults counts the page faults served without I/O: memory the
+	// process touched for the first time, or again after the kernel took it.
+	minorFaults int64
 }
 
 // readProcStat parses /proc/PID/stat.
@@ -48,12 +51,13 @@ func parseProcStat(b []byte) (procStat, error) {
 		return procStat{}, errors.New("parse /proc stat: no command name")
 	}
 	f := strings.Fields(string(b[end+1:]))
-	// f[0] is field 3 (state): ppid is field 4, utime..cstime fields 14..17.
+	// f[0] is field 3 (state): ppid is field 4, minflt field 10, utime..cstime
+	// fields 14..17.
 	if len(f) < 15 {
 		return procStat{}, fmt.Errorf("parse /proc stat: %d fields", len(f)+2)
 	}
-	var n [5]int64
-	for i, idx := range []int{1, 11, 12, 13, 14} {
+	var n [6]int64
+	for i, idx := range []int{1, 11, 12, 13, 14, 7} {
 		v, err := strconv.ParseInt(f[idx], 10, 64)
 		if err != nil {
 			return procStat{}, fmt.Errorf("parse /proc stat field %d: %w", idx+3, err)
@@ -61,7 +65,7 @@ func parseProcStat(b []byte) (procStat, error) {
 		n[i] = v
 	}
 	return procStat{ppid: int(n[0]), self: time.Duration(n[1]+n[2]) * clockTick,
-		children: time.Duration(n[3]+n[4]) * clockTick, kernel: time.Duration(n[2]) * clockTick}, nil
+		children: time.Duration(n[3]+n[4]) * clockTick, kernel: time.Duration(n[2]) * clockTick, minorFaults: n[5]}, nil
 }
 
 // processCPU is the CPU time (user + system) a running process used so far.

@@ -101,6 +101,9 @@ func (b *bench) measurePublish(ctx context.Context, res *throughput, stream stri
 	if res.CPU, err = m.read(nil, true); err != nil {
 		return err
 	}
+	if res.Host, err = m.hostUsage(); err != nil {
+		return err
+	}
 	first, last, err := b.storedSpan(ctx, stream, 1, uint64(res.Events))
 	if err != nil {
 		return err

@@ -60,8 +60,8 @@ func (b *bench) runScale(ctx context.Context, rep *Report) {
 		if kind == scalePayload || kind == scaleRows {
 			stream := strings.ToUpper(fmt.Sprintf("rawsize%d", payload))
 			run.Raw = b.rawPublishSized(ctx, "raw async publish, "+groupDigits(float64(payload))+" B", stream, rows, jetboxGuarded, payload)
-			if err := b.srv.js.DeleteStream(ctx, stream); err != nil {
-				b.log.Warn().Err(err).Str("stream", stream).Msg("delete stream")
+			if err := b.srv.deleteStream(ctx, stream); err != nil {
+				b.log.Warn().Err(err).Msg("delete stream")
 			}
 		}
 		rep.Scale = append(rep.Scale, run)
@@ -89,8 +89,8 @@ func (b *bench) drop(ctx context.Context, d deployment) {
 	if b.cfg.Keep {
 		return
 	}
-	if err := b.srv.js.DeleteStream(ctx, d.stream); err != nil {
-		b.log.Warn().Err(err).Str("stream", d.stream).Msg("delete stream")
+	if err := b.srv.deleteStream(ctx, d.stream); err != nil {
+		b.log.Warn().Err(err).Msg("delete stream")
 	}
 	conn, err := pgx.Connect(ctx, b.srv.dsn("postgres"))
 	if err != nil {
@@ -148,13 +148,13 @@ func (r *Report) printScale(w io.Writer) {
 		}
 		return fmt.Sprintf("%.1f", t.rate()*float64(payload)/1e6)
 	}
-	table(scaleRows, "Catch-up by backlog size (exactly-once), beside pg_recvlogical decoding the same WAL and raw async publishing of the same number of messages (same headers and order guard); CPU per event of each process, the NATS server's part in the kernel in parentheses:",
-		"| rows | transactions of | events/s | elapsed | CPU µs/event: jetbox · Postgres · NATS (kernel) | jetbox peak RSS | pg_recvlogical events/s | raw events/s | raw: NATS CPU µs/event (kernel) | check |", "|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|",
+	table(scaleRows, "Catch-up by backlog size (exactly-once), beside pg_recvlogical decoding the same WAL and raw async publishing of the same number of messages (same headers and order guard); CPU per event of each process, the NATS server's part in the kernel in parentheses; the NATS server's system calls, page faults and context switches per event; the host's free memory when the drain began and the page cache it reclaimed during it, the part reclaimed by the writing processes themselves in parentheses; the allocations that waited for memory to be compacted; the free memory handed back to the hypervisor:",
+		"| rows | transactions of | events/s | elapsed | CPU µs/event: jetbox · Postgres · NATS (kernel) | jetbox peak RSS | pg_recvlogical events/s | raw events/s | raw: NATS CPU µs/event (kernel) | NATS per event: syscalls · faults · switches | free at start · reclaimed (direct) | compaction stalls | handed to the hypervisor | check |", "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|",
 		func(s scaleRun) string {
 			t := s.Jetbox
-			return fmt.Sprintf("| %s | %s | %s | %s | %s · %s · %s | %s | %s | %s | %s | %s |", groupDigits(float64(s.Rows)), groupDigits(float64(s.TxRows)), groupDigits(t.rate()),
+			return fmt.Sprintf("| %s | %s | %s | %s | %s · %s · %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |", groupDigits(float64(s.Rows)), groupDigits(float64(s.TxRows)), groupDigits(t.rate()),
 				seconds(t.Elapsed), perEvent(t, t.CPU.Forwarder), perEvent(t, t.CPU.Postgres), natsPerEvent(t), mebibytes(t.RSS), rateOf(s.Recv), rateOf(s.Raw), natsPerEvent(s.Raw),
-				check(firstErr(t.Err, errOf(s.Recv), errOf(s.Raw))))
+				syscallsPerEvent(t), reclaim(t), compactions(t), handedBack(t), check(firstErr(t.Err, errOf(s.Recv), errOf(s.Raw))))
 		})
 	table(scalePayload, "Catch-up by payload size (exactly-once), beside raw async publishing of the same messages (same headers and order guard):",
 		"| payload | rows | jetbox events/s | jetbox payload MB/s | raw events/s | raw payload MB/s | jetbox / raw | jetbox peak RSS | check |", "|--:|--:|--:|--:|--:|--:|--:|--:|---|",
@@ -191,6 +191,49 @@ func natsPerEvent(t *throughput) string {
 		return "—"
 	}
 	return perEvent(t, t.CPU.NATS) + " (" + perEvent(t, t.CPU.NATSKernel) + ")"
+}
+
+// syscallsPerEvent is the NATS server's system calls, minor page faults and
+// context switches per event of t, "1.05 · 0.02 · 0.40", for a table.
+func syscallsPerEvent(t *throughput) string {
+	if t == nil || t.Err != nil || t.Events == 0 || t.Host == nil {
+		return "—"
+	}
+	per := func(n int64) string {
+		if n < 0 {
+			return "—"
+		}
+		return fmt.Sprintf("%.2f", float64(n)/float64(t.Events))
+	}
+	return per(t.Host.NATSSyscalls) + " · " + per(t.Host.NATSFaults) + " · " + per(t.Host.NATSSwitches)
+}
+
+// reclaim is the host's free memory when t began and the page cache reclaimed
+// during it, "17.9 · 2.1 (0.3) GiB", for a table.
+func reclaim(t *throughput) string {
+	if t == nil || t.Err != nil || t.Host == nil {
+		return "—"
+	}
+	gib := func(n int64) string { return fmt.Sprintf("%.1f", float64(n)/(1<<30)) }
+	return gib(t.Host.FreeAtStart) + " · " + gib(t.Host.Reclaimed) + " (" + gib(t.Host.DirectReclaimed) + ") GiB"
+}
+
+// compactions is the number of allocations that waited for compaction during
+// t, for a table.
+func compactions(t *throughput) string {
+	if t == nil || t.Err != nil || t.Host == nil {
+		return "—"
+	}
+	return groupDigits(float64(t.Host.CompactStalls))
+}
+
+// handedBack is the free memory the guest reported to its hypervisor during
+// t, for a table ("—" where the kernel does not count it).
+func handedBack(t *throughput) string {
+	if t == nil || t.Err != nil || t.Host == nil || t.Host.ReportedToHost < 0 {
+		return "—"
+	}
+	return fmt.Sprintf("%.1f GiB", float64(t.Host.ReportedToHost)/(1<<30))
 }
 
 // rateOf is t's rate for a table, "—" when it was not measured or failed.

@@ -12,6 +12,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jetbox-dev/jetbox/internal/pgcluster"
+	"github.com/jetbox-dev/jetbox/internal/wait"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/rs/zerolog"
@@ -29,15 +30,17 @@ type servers struct {
 	pgPID     int // the postmaster
 	pgVersion string
 	nats      *process
+	natsStore string // the NATS server's store_dir
 	natsURL   string
 	nc        *nats.Conn
 	js        jetstream.JetStream
+	log       zerolog.Logger
 }
 
 // startServers starts Postgres and NATS with their data under dir. On error
 // whatever was started is stopped again.
 func startServers(ctx context.Context, cfg Config, dir string, log zerolog.Logger) (s *servers, err error) {
-	s = &servers{}
+	s = &servers{log: log}
 	defer func() {
 		if err != nil {
 			s.close()
@@ -100,6 +103,7 @@ func (s *servers) startNATS(ctx context.Context, bin, dir string) error {
 	if err := os.MkdirAll(store, 0o755); err != nil {
 		return fmt.Errorf("create nats store: %w", err)
 	}
+	s.natsStore = store
 	logPath := filepath.Join(dir, "nats.log")
 	if bin != "" {
 		conf := filepath.Join(dir, "nats.conf")
@@ -207,4 +211,36 @@ func freeAddr() (string, error) {
 	}
 	defer l.Close()
 	return l.Addr().String(), nil
+}
+
+// deleteStream deletes a stream and waits until the NATS server has removed
+// its files. The server renames the stream's directory to a dot-prefixed
+// name, answers, and removes the files in the background (nats-server's
+// fileStore.Delete); for a stream of gigabytes that is seconds of the
+// server's kernel time (dropping the files' pages from the page cache),
+// which would otherwise be timed as part of the next run.
+func (s *servers) deleteStream(ctx context.Context, name string) error {
+	streams := filepath.Join(s.natsStore, "jetstream", "$G", "streams")
+	_, statErr := os.Stat(filepath.Join(streams, name))
+	if err := s.js.DeleteStream(ctx, name); err != nil {
+		return fmt.Errorf("delete stream %s: %w", name, err)
+	}
+	if statErr != nil {
+		return nil // not where a file store keeps it: nothing to wait for
+	}
+	start := time.Now()
+	for deadline := start.Add(5 * time.Minute); ; {
+		_, err1 := os.Stat(filepath.Join(streams, name))
+		_, err2 := os.Stat(filepath.Join(streams, "."+name))
+		if errors.Is(err1, os.ErrNotExist) && errors.Is(err2, os.ErrNotExist) {
+			s.log.Info().Str("stream", name).Stringer("took", time.Since(start)).Msg("the server removed the stream's files")
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("delete stream %s: its files in %s are still there after 5m", name, streams)
+		}
+		if err := wait.Sleep(ctx, 50*time.Millisecond); err != nil {
+			return err
+		}
+	}
 }

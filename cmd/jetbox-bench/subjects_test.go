@@ -9,8 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jetbox-dev/jetbox/internal/natsembed"
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
@@ -25,17 +23,7 @@ func TestSubjectIndexCost(t *testing.T) {
 	if n < 1000 {
 		t.Skip("set JETBOX_MEASURE_SUBJECTS=1000000 to measure")
 	}
-	srv, err := natsembed.Start(natsembed.Options{StoreDir: t.TempDir()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer natsembed.Stop(srv)
-	nc, err := nats.Connect(srv.ClientURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer nc.Close()
-	js, _ := jetstream.New(nc)
+	js := startJetStream(t, t.TempDir())
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	heap := func() uint64 {
