@@ -12,9 +12,11 @@ import (
 // hostUsage is what the host's kernel did during a measurement beside the
 // processes' CPU: how much free memory it started with, how many page-cache
 // pages it reclaimed to make room (by kswapd, and directly in the process
-// that wanted the page, which is charged as that process's kernel time), and
-// how many system calls the NATS server made. A drain that writes gigabytes
-// into a full page cache pays for reclaim; one into free memory does not.
+// that wanted the page, which is charged as that process's kernel time), how
+// many allocations waited for compaction, how much free memory it handed back
+// to its hypervisor, and the NATS server's system calls, page faults and
+// context switches: what a growth of the server's kernel time per event may
+// come from (docs/performance.md, "How cost grows with the work").
 type hostUsage struct {
 	FreeAtStart     int64 // MemFree when the measurement began, bytes
 	Reclaimed       int64 // page-cache bytes reclaimed, kswapd and direct
@@ -37,8 +39,9 @@ type hostSnapshot struct {
 	compactStalls, reported                                                int64
 }
 
-// readHost reads /proc/meminfo, /proc/vmstat and the NATS server's
-// /proc/PID/io (natsPID 0: none).
+// readHost reads /proc/meminfo, /proc/vmstat, the free page reporting count
+// and the NATS server's /proc/PID/io, stat and threads' status (natsPID 0:
+// none).
 func readHost(natsPID int) (hostSnapshot, error) {
 	var s hostSnapshot
 	mem, err := readKeyed("/proc/meminfo", ":")
@@ -64,7 +67,6 @@ func readHost(natsPID int) (hostSnapshot, error) {
 		if io, err := readKeyed(fmt.Sprintf("/proc/%d/io", natsPID), ":"); err == nil {
 			s.natsSyscalls = io["syscr"] + io["syscw"]
 		}
-		s.natsFaults, s.natsSwitches = -1, -1
 		if st, err := readProcStat(natsPID); err == nil {
 			s.natsFaults = st.minorFaults
 		}
