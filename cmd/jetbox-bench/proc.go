@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bufio"
 	"bytes"
 	"errors"
 	"fmt"
@@ -104,21 +103,15 @@ func treeCPU(parent int) (time.Duration, error) {
 
 // peakRSS returns a process's peak resident set size (VmHWM) in bytes.
 func peakRSS(pid int) (int64, error) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	st, err := readKeyed(fmt.Sprintf("/proc/%d/status", pid), ":")
 	if err != nil {
-		return 0, fmt.Errorf("read status of pid %d: %w", pid, err)
+		return 0, err
 	}
-	sc := bufio.NewScanner(bytes.NewReader(b))
-	for sc.Scan() {
-		if rest, ok := strings.CutPrefix(sc.Text(), "VmHWM:"); ok {
-			kb, err := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(rest), "kB")), 10, 64)
-			if err != nil {
-				return 0, fmt.Errorf("parse VmHWM of pid %d: %w", pid, err)
-			}
-			return kb * 1024, nil
-		}
+	kb, ok := st["VmHWM"]
+	if !ok {
+		return 0, fmt.Errorf("pid %d: no VmHWM in /proc status", pid)
 	}
-	return 0, fmt.Errorf("pid %d: no VmHWM in /proc status", pid)
+	return kb * 1024, nil
 }
 
 // process is a child process the bench started: jetbox, the NATS server, the
